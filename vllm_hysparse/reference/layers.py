@@ -1,0 +1,124 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Building blocks shared by the reference models: norm, RoPE, MLP, gates, sinks."""
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+
+class RMSNorm(nn.Module):
+    """Llama RMSNorm over the last dim, computed in float32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * xf).to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE on the first `rotary_dim` dims of each head (SPEC §2.5).
+
+    `inv_freq[i] = theta ** (-2i / rotary_dim)` (or the scaled frequencies of
+    `rope_parameters["rope_type"]`); dims past `rotary_dim` pass through.
+    """
+
+    def __init__(self, rotary_dim: int, rope_parameters: dict, config=None):
+        super().__init__()
+        self.rotary_dim = rotary_dim
+        rope_type = rope_parameters.get("rope_type", "default")
+        if rope_type == "default":
+            exponent = torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim
+            inv_freq = (rope_parameters["rope_theta"] ** -exponent).float()
+            self.attention_scaling = 1.0
+        else:
+            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x `[B, T, heads, D]`, positions `[T]` -> rotated x (same shape and dtype)."""
+        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]  # [T, rd/2]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos = (emb.cos() * self.attention_scaling)[None, :, None, :]
+        sin = (emb.sin() * self.attention_scaling)[None, :, None, :]
+        rot, rest = x[..., : self.rotary_dim].float(), x[..., self.rotary_dim :]
+        half = self.rotary_dim // 2
+        rotated_half = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+        out = rot * cos + rotated_half * sin
+        return torch.cat([out.to(x.dtype), rest], dim=-1)
+
+
+class MLP(nn.Module):
+    """SwiGLU MLP: `down(silu(gate(x)) * up(x))`."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def gate_proj(config, hidden_size: int) -> nn.Linear:
+    """Gate projection: `[H*D, hidden]` elementwise or `[H, hidden]` headwise, no bias."""
+    width = config.num_attention_heads * (config.head_dim if config.gate_type == "elementwise" else 1)
+    return nn.Linear(hidden_size, width, bias=False)
+
+
+def gate_logits(proj: nn.Linear, x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """`[B, T, hidden]` -> gate logits `[B, T, H, D]` (elementwise) or `[B, T, H, 1]` (headwise)."""
+    g = proj(x)
+    return g.view(*g.shape[:2], num_heads, -1)
+
+
+def sinks(config) -> nn.Parameter | None:
+    """Per-head sink logits `[H]` in float32, or None without `use_sinks`."""
+    if not config.use_sinks:
+        return None
+    return nn.Parameter(torch.zeros(config.num_attention_heads, dtype=torch.float32))
+
+
+def split_heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """`[B, T, n*D]` -> `[B, T, n, D]`."""
+    return x.view(*x.shape[:2], -1, head_dim)
+
+
+def kv_from_cache(cache, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
+    """Append `[B, T, G, D]` k/v for `layer_idx` to a transformers Cache; return all of it."""
+    if cache is None:
+        return k, v
+    k_all, v_all = cache.update(k.transpose(1, 2), v.transpose(1, 2), layer_idx)
+    return k_all.transpose(1, 2), v_all.transpose(1, 2)
+
+
+@dataclass
+class ReferenceSwitches:
+    """Switches for validation (SPEC §5), all on by default (the real architecture).
+
+    HySparse: `sparse_selection` (False: the global branch sees every causal
+    key), `kv_sharing` (False: the sparse layer's global branch uses its own
+    `swa_k_proj`/`swa_v_proj` KV and an oracle computed from it), `swa_branch`
+    (False: the SWA branch is dropped and its gate weights the global branch).
+    HySparse2: `token_selection` (False: cross sparse layers see every causal
+    key), `forced_window` (False: the recent window is not forced; the top
+    `k_g + w` tokens by score are taken), `bridge` (False: a cross full layer
+    projects K/V from its own normalised input instead of the bridge source),
+    `early_exit` (False: the cross-decoder runs on every position even when
+    fewer logits are asked for).
+    """
+
+    sparse_selection: bool = True
+    kv_sharing: bool = True
+    swa_branch: bool = True
+    token_selection: bool = True
+    forced_window: bool = True
+    bridge: bool = True
+    early_exit: bool = True
