@@ -180,3 +180,18 @@ class HySparseBaseConfig(PreTrainedConfig):
 
     def layers_of_type(self, kind: str) -> list[int]:
         return [i for i, t in enumerate(self.layer_types) if t == kind]
+
+
+def kv_bytes_per_token(config: HySparseBaseConfig, dtype_bytes: int, context_len: int) -> dict[str, float]:
+    """KV bytes per token at `context_len` tokens (SPEC §3.4).
+
+    Full-length caches grow with the context; window caches hold at most
+    `swa_window` tokens each, so their per-token share shrinks as the context
+    grows. Returns the counts and the bytes so callers can print them.
+    """
+    per_layer = 2 * config.num_key_value_heads * config.head_dim * dtype_bytes
+    full, windowed = config.kv_cache_layers()
+    window_tokens = min(config.swa_window, context_len)
+    total = per_layer * (full + windowed * window_tokens / context_len)
+    return {"full_length_caches": full, "window_caches": windowed,
+            "bytes_per_token": total, "dense_bytes_per_token": per_layer * config.num_hidden_layers}

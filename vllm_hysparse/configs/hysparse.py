@@ -40,6 +40,11 @@ class HySparseConfig(HySparseBaseConfig):
                 "must be 'full_attention': a sparse layer needs a full layer before it as its oracle",
                 self.layer_types[0])
 
+    def kv_cache_layers(self) -> tuple[int, int]:
+        """(full-length caches, window-bounded caches): one per full layer, one SWA cache per sparse layer."""
+        full = len(self.layers_of_type(FULL))
+        return full, self.num_hidden_layers - full
+
     @property
     def oracle_layer(self) -> dict[int, int]:
         """Sparse layer index -> index of the full layer whose KV and indices it reuses."""

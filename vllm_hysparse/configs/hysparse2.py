@@ -106,6 +106,10 @@ class HySparse2Config(HySparseBaseConfig):
                 raise config_error(
                     f"bridge_sources[{c}]", "must be the index of a self-decoder 'full_attention' layer", src)
 
+    def kv_cache_layers(self) -> tuple[int, int]:
+        """(full-length caches, window-bounded caches): self full + bridged cross full; sliding layers."""
+        return len(self.layers_of_type(FULL)), len(self.layers_of_type(SLIDING))
+
     @property
     def cross_full_layers(self) -> list[int]:
         return [i for i in self.layers_of_type(FULL) if i >= self.num_self_decoder_layers]

@@ -31,22 +31,29 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, rotary_dim: int, rope_parameters: dict, config=None):
         super().__init__()
-        self.rotary_dim = rotary_dim
-        rope_type = rope_parameters.get("rope_type", "default")
+        self.rotary_dim, self.rope_parameters, self.config = rotary_dim, dict(rope_parameters), config
+
+    def inv_freq(self) -> tuple[torch.Tensor, float]:
+        """(`[rotary_dim / 2]` float32 frequencies, attention scaling).
+
+        Computed on every call rather than kept as a buffer: transformers builds
+        models on the meta device and would leave a non-persistent buffer
+        uninitialised after loading.
+        """
+        rope_type = self.rope_parameters.get("rope_type", "default")
         if rope_type == "default":
-            exponent = torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim
-            inv_freq = (rope_parameters["rope_theta"] ** -exponent).float()
-            self.attention_scaling = 1.0
-        else:
-            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+            exponent = torch.arange(0, self.rotary_dim, 2, dtype=torch.float64) / self.rotary_dim
+            return (self.rope_parameters["rope_theta"] ** -exponent).float(), 1.0
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](self.config, "cpu")
+        return inv_freq.float(), float(scaling)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x `[B, T, heads, D]`, positions `[T]` -> rotated x (same shape and dtype)."""
-        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]  # [T, rd/2]
+        inv_freq, scaling = self.inv_freq()
+        freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]  # [T, rd/2]
         emb = torch.cat([freqs, freqs], dim=-1)
-        cos = (emb.cos() * self.attention_scaling)[None, :, None, :]
-        sin = (emb.sin() * self.attention_scaling)[None, :, None, :]
+        cos = (emb.cos() * scaling)[None, :, None, :]
+        sin = (emb.sin() * scaling)[None, :, None, :]
         rot, rest = x[..., : self.rotary_dim].float(), x[..., self.rotary_dim :]
         half = self.rotary_dim // 2
         rotated_half = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
