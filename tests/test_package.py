@@ -1,0 +1,54 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The installed environment: vLLM, transformers and our package import together; ours stays light."""
+
+import json
+import subprocess
+import sys
+
+from transformers import AutoConfig, AutoModelForCausalLM
+
+
+def _run(code: str) -> str:
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def test_vllm_transformers_and_ours_import_together():
+    out = _run("import vllm, transformers, vllm_hysparse, csrc_triton; print(vllm.__version__)")
+    assert out.strip().splitlines()[-1] == "0.32.0"
+
+
+def test_import_is_light():
+    # Importing our package must not pull in vLLM nor initialise CUDA (transformers
+    # itself may import Triton); the kernel package alone imports no Triton.
+    out = _run(
+        "import sys, json, torch, csrc_triton\n"
+        "triton = 'triton' in sys.modules\n"
+        "import vllm_hysparse\n"
+        "print(json.dumps({'vllm': 'vllm' in sys.modules, 'triton': triton,"
+        " 'cuda': torch.cuda.is_initialized()}))")
+    assert json.loads(out.strip().splitlines()[-1]) == {"vllm": False, "triton": False, "cuda": False}
+
+
+def test_auto_classes_know_our_model_types():
+    import vllm_hysparse
+    from vllm_hysparse.reference import HySparse2ForCausalLM, HySparseForCausalLM
+
+    vllm_hysparse.register_transformers()  # idempotent
+    for model_type, config_cls, model_cls in [
+        ("hysparse", vllm_hysparse.HySparseConfig, HySparseForCausalLM),
+        ("hysparse2", vllm_hysparse.HySparse2Config, HySparse2ForCausalLM),
+    ]:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        assert CONFIG_MAPPING[model_type] is config_cls
+        assert AutoModelForCausalLM._model_mapping[config_cls] is model_cls
+        assert AutoConfig.for_model(model_type, **_minimal_fields(model_type)).model_type == model_type
+
+
+def _minimal_fields(model_type: str) -> dict:
+    if model_type == "hysparse":
+        return {"layer_types": ["full_attention", "sparse_attention"]}
+    return {"layer_types": ["full_attention", "full_attention", "sparse_attention"],
+            "num_self_decoder_layers": 1, "bridge_sources": [0], "head_dim": 64}
