@@ -28,6 +28,7 @@ setup(
         "test": ["pytest>=8", "pytest-timeout", "openai", "matplotlib"],
     },
     entry_points={
+        "vllm.general_plugins": ["hysparse = vllm_hysparse:register"],
         "console_scripts": [
             "hysparse-make-checkpoint=vllm_hysparse.tools.make_checkpoint:main",
         ],

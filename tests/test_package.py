@@ -62,3 +62,18 @@ def test_vllm_console_script_runs():
     result = subprocess.run([str(script), "--version"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1].startswith("0.32.0")
+
+
+def test_vllm_reads_our_config_through_the_plugin(tmp_path):
+    from vllm_hysparse.tools.make_checkpoint import write_checkpoint
+
+    out = write_checkpoint(tmp_path / "ckpt", "hysparse2", "paper")
+    code = (
+        "from importlib.metadata import entry_points\n"
+        "assert 'vllm_hysparse:register' in [e.value for e in entry_points(group='vllm.general_plugins')]\n"
+        "from vllm.plugins import load_general_plugins\n"
+        "load_general_plugins()\n"
+        "from vllm.transformers_utils.config import get_config\n"
+        f"c = get_config({str(out)!r}, trust_remote_code=False)\n"
+        "print(type(c).__name__, c.bridge_sources)\n")
+    assert _run(code).strip().splitlines()[-1] == "HySparse2Config [12, 12, 12, 12]"

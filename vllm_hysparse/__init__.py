@@ -25,6 +25,15 @@ def register_transformers() -> None:
         AutoModelForCausalLM.register(config_cls, models[config_cls], exist_ok=True)
 
 
+def register() -> None:
+    """vLLM `general_plugins` entry point; vLLM runs it in every process, so it is idempotent.
+
+    Registers our configs (and reference models) with transformers so vLLM can
+    read HySparse / HySparse2 `config.json` files without `--trust-remote-code`.
+    """
+    register_transformers()
+
+
 register_transformers()
 
-__all__ = ["HySparseConfig", "HySparse2Config", "register_transformers", "__version__"]
+__all__ = ["HySparseConfig", "HySparse2Config", "register", "register_transformers", "__version__"]
