@@ -28,10 +28,18 @@ def register_transformers() -> None:
 def register() -> None:
     """vLLM `general_plugins` entry point; vLLM runs it in every process, so it is idempotent.
 
-    Registers our configs (and reference models) with transformers so vLLM can
-    read HySparse / HySparse2 `config.json` files without `--trust-remote-code`.
+    Registers our configs with transformers (so vLLM reads HySparse / HySparse2
+    `config.json` without `--trust-remote-code`), our model classes with vLLM's
+    registry by lazy "module:Class" strings, and our attention backend's name.
+    Nothing here imports model code or touches a device.
     """
     register_transformers()
+    from vllm import ModelRegistry
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    ModelRegistry.register_model("HySparseForCausalLM", "vllm_hysparse.models.hysparse:HySparseForCausalLM")
+    if "HYSPARSE" not in AttentionBackendEnum.__members__:
+        register_backend("HYSPARSE", "vllm_hysparse.attention.backend.HySparseAttentionBackend")
 
 
 register_transformers()

@@ -1,0 +1,90 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The tensors a checkpoint must contain, by name and shape (SPEC §2.2, §2.4).
+
+One table drives strict loading everywhere: a tensor missing from it, absent
+from the checkpoint, or of another shape is an error that names the tensor.
+"""
+
+from vllm_hysparse.configs.base import HySparseBaseConfig
+
+
+def _norm(prefix: str, dim: int) -> dict[str, tuple[int, ...]]:
+    return {f"{prefix}.weight": (dim,)}
+
+
+def _linear(prefix: str, out_dim: int, in_dim: int, bias: bool) -> dict[str, tuple[int, ...]]:
+    shapes = {f"{prefix}.weight": (out_dim, in_dim)}
+    if bias:
+        shapes[f"{prefix}.bias"] = (out_dim,)
+    return shapes
+
+
+def _attention_parts(config: HySparseBaseConfig, kind: str) -> dict[str, tuple[int, ...]]:
+    """`self_attn.*` tensors of one layer kind (see `layer_kind`)."""
+    h, g, d, e = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.hidden_size
+    bias = config.attention_bias
+    gate_width = h * d if config.gate_type == "elementwise" else h
+    out = {**_linear("q_proj", h * d, e, bias), **_linear("o_proj", e, h * d, False)}
+    if config.qk_norm:
+        out.update(_norm("q_norm", d))
+    if kind in ("full", "sliding", "cross_full"):
+        out.update(_linear("k_proj", g * d, e, bias))
+        out.update(_linear("v_proj", g * d, e, bias))
+        if config.qk_norm:
+            out.update(_norm("k_norm", d))
+    if kind == "cross_full":
+        out.update(_norm("bridge_norm", e))
+    if kind == "sparse":
+        out.update(_linear("swa_k_proj", g * d, e, bias))
+        out.update(_linear("swa_v_proj", g * d, e, bias))
+        out.update(_linear("sparse_gate_proj", gate_width, e, False))
+        out.update(_linear("swa_gate_proj", gate_width, e, False))
+        if config.use_sinks:
+            out.update({"sparse_sinks": (h,), "swa_sinks": (h,)})
+        if config.qk_norm:
+            out.update(_norm("swa_k_norm", d))
+    if kind in ("sliding", "cross_sparse"):
+        out.update(_linear("gate_proj", gate_width, e, False))
+        if config.use_sinks:
+            out["sinks"] = (h,)
+    return out
+
+
+def layer_kind(config: HySparseBaseConfig, layer_idx: int) -> str:
+    """One of full, sparse (HySparse); full, sliding, cross_full, cross_sparse (HySparse2)."""
+    kind = config.layer_types[layer_idx]
+    if config.model_type == "hysparse":
+        return "full" if kind == "full_attention" else "sparse"
+    if layer_idx < config.num_self_decoder_layers:
+        return "full" if kind == "full_attention" else "sliding"
+    return "cross_full" if kind == "full_attention" else "cross_sparse"
+
+
+def expected_tensors(config: HySparseBaseConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor name of a checkpoint for `config`, mapped to its shape."""
+    e, i = config.hidden_size, config.intermediate_size
+    out = {"model.embed_tokens.weight": (config.vocab_size, e), "model.norm.weight": (e,)}
+    if not config.tie_word_embeddings:
+        out["lm_head.weight"] = (config.vocab_size, e)
+    for idx in range(config.num_hidden_layers):
+        p = f"model.layers.{idx}."
+        out.update({f"{p}self_attn.{k}": v for k, v in _attention_parts(config, layer_kind(config, idx)).items()})
+        out.update({f"{p}input_layernorm.weight": (e,), f"{p}post_attention_layernorm.weight": (e,),
+                    f"{p}mlp.gate_proj.weight": (i, e), f"{p}mlp.up_proj.weight": (i, e),
+                    f"{p}mlp.down_proj.weight": (e, i)})
+    return out
+
+
+def check_tensor(expected: dict[str, tuple[int, ...]], name: str, shape: tuple[int, ...]) -> None:
+    """Raise a one-line ValueError when `name` is unknown or mis-shaped."""
+    if name not in expected:
+        raise ValueError(f"checkpoint has unexpected tensor {name} (not part of this config's layout)")
+    if tuple(shape) != expected[name]:
+        raise ValueError(f"checkpoint tensor {name} has shape {tuple(shape)}, expected {expected[name]}")
+
+
+def check_complete(expected: dict[str, tuple[int, ...]], seen: set[str]) -> None:
+    missing = sorted(set(expected) - seen)
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise ValueError(f"checkpoint is missing tensor(s) {', '.join(missing[:5])}{more}")
