@@ -38,7 +38,9 @@ class ReferencePreTrainedModel(PreTrainedModel):
     def from_pretrained(cls, *args, **kwargs):
         """Load a checkpoint; any missing, unexpected or mis-shaped tensor is an error naming it."""
         want_info = kwargs.pop("output_loading_info", False)
-        kwargs["ignore_mismatched_sizes"] = False
+        # True makes transformers report mis-shaped tensors in `info` instead of
+        # raising a RuntimeError that does not name them; we raise below anyway.
+        kwargs["ignore_mismatched_sizes"] = True
         model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
         problems = [f"missing tensor {k}" for k in sorted(info.get("missing_keys", []))]
         problems += [f"unexpected tensor {k}" for k in sorted(info.get("unexpected_keys", []))]
@@ -111,7 +113,10 @@ class ReferenceCausalLM(ReferencePreTrainedModel, GenerationMixin):
         logits = self.lm_head(hidden).float()
         loss = None
         if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels[:, rows], vocab_size=self.vocab_size)
+            # Shift over the whole sequence first: kept row i predicts token i + 1.
+            shifted = nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+            loss = self.loss_function(logits=logits, labels=None, shift_labels=shifted[:, rows].contiguous(),
+                                      vocab_size=self.vocab_size)
         return CausalLMOutputWithPast(
             loss=loss, logits=logits, past_key_values=past_key_values if use_cache else None,
             hidden_states=all_hidden)

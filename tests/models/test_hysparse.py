@@ -1,0 +1,116 @@
+# SPDX-License-Identifier: Apache-2.0
+"""HySparse in the real vLLM engine (CPU, float32) against the reference model.
+
+The tiny preset selects 2 blocks of 16 tokens and has a 32-token SWA window,
+so the prompt lengths below cross block, selection and window boundaries;
+vLLM pages are 32 (eager engine) and 128 tokens (compiled engine), so pages
+and sparse blocks differ too.
+"""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import vllm_hysparse  # noqa: F401
+from tests.vllm_utils import (
+    check_logprobs_close,
+    env_without,
+    make_llm,
+    random_prompts,
+    reference_greedy,
+    shutdown,
+    vllm_greedy,
+)
+from vllm_hysparse.tools.make_checkpoint import write_checkpoint
+
+BOUNDARY_LENGTHS = [1, 15, 16, 17, 31, 32, 33, 47, 64, 65, 150, 400]
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("hysparse") / "tiny", "hysparse", "tiny", seed=11)
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    return AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts(reference):
+    return random_prompts(BOUNDARY_LENGTHS, reference.config.vocab_size, seed=1)
+
+
+@pytest.fixture(scope="module")
+def expected(reference, prompts):
+    return reference_greedy(reference, prompts, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def eager_llm(ckpt):
+    # 64-token steps: the long prompts are prefilled in chunks, batched with the
+    # decodes of the short ones.
+    llm = make_llm(ckpt, enforce_eager=True, block_size=32, max_num_batched_tokens=64, max_num_seqs=16,
+                   disable_log_stats=False)
+    yield llm
+    shutdown(llm)
+
+
+def _counter(llm, name: str) -> float:
+    return sum(m.value for m in llm.get_metrics() if m.name == name)
+
+
+def test_greedy_matches_reference_with_chunked_prefill(eager_llm, prompts, expected):
+    check_logprobs_close(expected, vllm_greedy(eager_llm, prompts, MAX_TOKENS))
+
+
+def test_prefix_cache_hits_match_reference(eager_llm, reference, prompts):
+    long_prompt = prompts[-1]
+    shared = [long_prompt, long_prompt, long_prompt[:250] + prompts[-2][:60]]
+    before = _counter(eager_llm, "vllm:prefix_cache_hits")
+    got = [vllm_greedy(eager_llm, [p], MAX_TOKENS)[0] for p in shared]
+    assert _counter(eager_llm, "vllm:prefix_cache_hits") - before >= 2 * 224, "expected prefix-cache hits"
+    check_logprobs_close(reference_greedy(reference, shared, MAX_TOKENS), got)
+
+
+def test_many_concurrent_requests(eager_llm, reference):
+    many = random_prompts([int(n) for n in torch.randint(1, 200, (24,), generator=torch.Generator().manual_seed(5))],
+                          reference.config.vocab_size, seed=2)
+    check_logprobs_close(reference_greedy(reference, many, 4), vllm_greedy(eager_llm, many, 4))
+
+
+def test_prompt_over_max_model_len_is_rejected_and_engine_keeps_serving(eager_llm, prompts, expected):
+    from vllm.exceptions import VLLMValidationError
+
+    with pytest.raises(VLLMValidationError, match="maximum context length is 1024 tokens"):
+        vllm_greedy(eager_llm, [[100] * 1100], 2)
+    check_logprobs_close(expected[:3], vllm_greedy(eager_llm, prompts[:3], MAX_TOKENS))
+
+
+def test_compiled_matches_eager_and_reference(ckpt, eager_llm, prompts, expected):
+    # Default compilation (trace once, inductor) and vLLM's default CPU page size.
+    llm = make_llm(ckpt)
+    try:
+        compiled = vllm_greedy(llm, prompts, MAX_TOKENS)
+    finally:
+        shutdown(llm)
+    check_logprobs_close(expected, compiled)
+    eager = vllm_greedy(eager_llm, prompts, MAX_TOKENS)
+    assert [c.token_ids for c in compiled] == [e.token_ids for e in eager]
+
+
+def test_preemption_matches_reference(ckpt, reference):
+    prompts = random_prompts([120] * 5, reference.config.vocab_size, seed=3)
+    # About 27 pages of 32 tokens (shared by the full and two SWA groups) cannot
+    # hold five requests growing from 120 to 220 tokens at once.
+    with env_without("VLLM_CPU_KVCACHE_SPACE"):
+        llm = make_llm(ckpt, enforce_eager=True, block_size=32, kv_cache_memory_bytes=10 * 32 * 2048 * 3,
+                       max_model_len=256, disable_log_stats=False)
+    try:
+        got = vllm_greedy(llm, prompts, 100)
+        preempted = _counter(llm, "vllm:num_preemptions")
+    finally:
+        shutdown(llm)
+    assert preempted > 0, "the small KV cache should have forced preemption"
+    check_logprobs_close(reference_greedy(reference, prompts, 100), got)

@@ -1,0 +1,95 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Helpers for tests that drive the real vLLM engine on CPU and compare against the reference model."""
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+
+# CPU vLLM needs these before an engine starts (see README); tests share engines
+# per module because each start costs 20-60 s.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+TOP_LOGPROBS = 5
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    logprobs: list[dict[int, float]]  # per generated position: token id -> logprob (top-k and the chosen one)
+
+
+def make_llm(model_dir, **kwargs):
+    from vllm import LLM
+
+    args = dict(model=str(model_dir), dtype="float32", max_model_len=1024, seed=0)
+    args.update(kwargs)
+    return LLM(**args)
+
+
+def vllm_greedy(llm, prompts: list[list[int]], max_tokens: int) -> list[Completion]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=TOP_LOGPROBS, ignore_eos=True)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return [Completion(list(o.outputs[0].token_ids),
+                       [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs])
+            for o in outs]
+
+
+def reference_greedy(model, prompts: list[list[int]], max_tokens: int) -> list[Completion]:
+    """Greedy continuation by the reference model, step by step with its KV cache."""
+    out = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        tokens, logprobs, cache = [], [], None
+        with torch.no_grad():
+            for _ in range(max_tokens):
+                res = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                cache = res.past_key_values
+                lp = torch.log_softmax(res.logits[0, -1].double(), dim=-1)
+                top = torch.topk(lp, TOP_LOGPROBS)
+                token = int(top.indices[0])
+                tokens.append(token)
+                logprobs.append({int(i): float(v) for i, v in zip(top.indices, top.values)})
+                ids = torch.tensor([[token]])
+        out.append(Completion(tokens, logprobs))
+    return out
+
+
+def check_logprobs_close(ref: list[Completion], test: list[Completion], atol: float = 2e-3) -> None:
+    """vLLM's convention: identical greedy tokens until a near-tie, where each side's token
+    must be in the other's top-k; matched positions must also agree on the logprob."""
+    for n, (a, b) in enumerate(zip(ref, test, strict=True)):
+        for i, (ta, tb) in enumerate(zip(a.token_ids, b.token_ids, strict=True)):
+            if ta != tb:
+                assert ta in b.logprobs[i] and tb in a.logprobs[i], (
+                    f"prompt {n}, token {i}: reference {ta} vs vLLM {tb}, not a near-tie "
+                    f"(ref top {a.logprobs[i]}, vLLM top {b.logprobs[i]})")
+                break
+            assert abs(a.logprobs[i][ta] - b.logprobs[i][tb]) < atol, (
+                f"prompt {n}, token {i}: logprob {a.logprobs[i][ta]:.5f} (reference) "
+                f"vs {b.logprobs[i][tb]:.5f} (vLLM)")
+
+
+def random_prompts(lengths: list[int], vocab_size: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    # Skip the special tokens at the start of the vocabulary.
+    return [torch.randint(16, vocab_size, (n,), generator=gen).tolist() for n in lengths]
+
+
+@contextlib.contextmanager
+def env_without(*names: str):
+    saved = {n: os.environ.pop(n) for n in names if n in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+def shutdown(llm) -> None:
+    with contextlib.suppress(Exception):
+        llm.llm_engine.engine_core.shutdown()
