@@ -34,6 +34,9 @@ def register() -> None:
     Nothing here imports model code or touches a device.
     """
     register_transformers()
+    from vllm_hysparse.metrics import register_collector
+
+    register_collector()
     from vllm import ModelRegistry
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 

@@ -31,6 +31,7 @@ from vllm.v1.attention.backend import (
 )
 
 from vllm_hysparse.attention.paged import gather_request_kv, iter_chunks, iter_requests, split_kv_cache, write_kv
+from vllm_hysparse.metrics import pages_touched, worker_stats
 from vllm_hysparse.reference import ops
 
 BACKEND_NAME = "HYSPARSE"
@@ -147,8 +148,15 @@ class HySparseAttentionImpl(AttentionImpl):
                     output[s:e].copy_(ops.dense_attention(q, k, v, self.scale)[0])
                     ids = ops.oracle_block_topk(q, k, self.scale, self.block_size, self.topk)
                     self.index_buffer[s:e].copy_(ids[0])
+                    self._record_pages(ids[0], n_keys, key_cache.shape[2])
                 else:
                     ids = self.index_buffer[s:e].unsqueeze(0).long()
                     o = ops.block_sparse_attention(q, k, v, ids, self.block_size, self.scale, self.sinks)
                     output[s:e].copy_(o[0])
         return output
+
+    def _record_pages(self, block_ids: torch.Tensor, n_keys: int, page_size: int) -> None:
+        """Pages per query of the selection just made (what every sparse follower will read)."""
+        positions = torch.arange(n_keys - block_ids.shape[0], n_keys)
+        pages = pages_touched(block_ids.cpu(), positions, self.block_size, page_size)
+        worker_stats().add(pages, positions, page_size)

@@ -182,6 +182,23 @@ class HySparseBaseConfig(PreTrainedConfig):
         return [i for i, t in enumerate(self.layer_types) if t == kind]
 
 
+def kv_report(config: HySparseBaseConfig, dtype_bytes: int, kv_memory_bytes: int | None) -> str:
+    """One line for the server log: KV bytes per token (SPEC §3.4) and, given the KV memory, tokens that fit.
+
+    Window caches are bounded (`swa_window` tokens per sequence each), so the
+    context that fits is set by the full-length caches; vLLM's own "KV cache
+    size" line counts every cache group as full length and understates it.
+    """
+    per_layer = 2 * config.num_key_value_heads * config.head_dim * dtype_bytes
+    full, windowed = config.kv_cache_layers()
+    line = (f"HySparse KV cache: {per_layer * full} bytes/token in {full} full-length caches "
+            f"+ {windowed} window caches of {config.swa_window} tokens ({per_layer * windowed * config.swa_window} "
+            f"bytes/sequence); a dense model of this shape needs {per_layer * config.num_hidden_layers} bytes/token")
+    if kv_memory_bytes:
+        line += f"; {kv_memory_bytes / 2**30:.2f} GiB of KV memory holds about {kv_memory_bytes // (per_layer * full):,} tokens"
+    return line
+
+
 def kv_bytes_per_token(config: HySparseBaseConfig, dtype_bytes: int, context_len: int) -> dict[str, float]:
     """KV bytes per token at `context_len` tokens (SPEC §3.4).
 

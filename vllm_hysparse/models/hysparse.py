@@ -16,6 +16,7 @@ from torch import nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -29,7 +30,11 @@ from vllm.sequence import IntermediateTensors
 
 from vllm_hysparse.attention.backend import HySparseAttentionBackend
 from vllm_hysparse.configs import HySparseConfig
+from vllm_hysparse.configs.base import kv_report
 from vllm_hysparse.configs.tensors import check_complete, check_tensor, expected_tensors, layer_kind
+
+# Under the "vllm" logger tree so vLLM's log configuration prints it.
+logger = init_logger("vllm.hysparse")
 
 # HF module (under `self_attn.` / `mlp.`) -> (vLLM module, shard id) for fused projections.
 STACKED_PARAMS = {
@@ -236,6 +241,8 @@ class HySparseForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
         self.logits_processor = LogitsProcessor(config.vocab_size)
+        dtype_bytes = torch.tensor([], dtype=vllm_config.model_config.dtype).element_size()
+        logger.info(kv_report(config, dtype_bytes, vllm_config.cache_config.kv_cache_memory_bytes))
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_input_ids(input_ids)

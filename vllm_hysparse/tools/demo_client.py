@@ -1,0 +1,67 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Ask a running `vllm serve` for a completion and a streamed chat reply, then show our metrics.
+
+    python -m vllm_hysparse.tools.demo_client --base-url http://127.0.0.1:8000/v1
+"""
+
+import argparse
+import sys
+import urllib.request
+
+from openai import OpenAI
+
+
+def wait_until_healthy(base_url: str, timeout_s: float) -> None:
+    import time
+
+    root = base_url.rsplit("/v1", 1)[0]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{root}/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(2)
+    raise TimeoutError(f"server at {root} did not become healthy within {timeout_s:.0f} s")
+
+
+def hysparse_metrics(base_url: str) -> list[str]:
+    root = base_url.rsplit("/v1", 1)[0]
+    with urllib.request.urlopen(f"{root}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return [line for line in text.splitlines() if line.startswith("vllm:hysparse_")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    parser.add_argument("--wait", type=float, default=300, help="seconds to wait for the server to come up")
+    args = parser.parse_args(argv)
+    try:
+        wait_until_healthy(args.base_url, args.wait)
+    except TimeoutError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    client = OpenAI(base_url=args.base_url, api_key="unused")
+    model = client.models.list().data[0].id
+    prompt = "def fibonacci(n):\n    "
+    completion = client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0)
+    print(f"[completion] {prompt!r} -> {completion.choices[0].text!r}")
+    print("[chat, streamed] ", end="", flush=True)
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Write a Python function that adds two numbers."}],
+        max_tokens=24, temperature=0, stream=True)
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            print(chunk.choices[0].delta.content, end="", flush=True)
+    print()
+    for line in hysparse_metrics(args.base_url):
+        print(f"[metrics] {line}")
+    print("(random demo weights: the text is not meant to make sense)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
