@@ -11,6 +11,9 @@ import torch
 # per module because each start costs 20-60 s.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+# Lets tests send a plain function to the worker (`collective_rpc`) to inspect
+# what vLLM allocated; only our own processes talk to each other here.
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
 TOP_LOGPROBS = 5
 
@@ -88,6 +91,20 @@ def env_without(*names: str):
         yield
     finally:
         os.environ.update(saved)
+
+
+def kv_cache_layout(worker) -> dict:
+    """Runs inside the worker: the KV cache groups, KV-sharing map and pool size vLLM allocated."""
+    runner = worker.model_runner
+    config = runner.kv_cache_config
+    groups = []
+    for group in config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        groups.append({"type": type(spec).__name__, "layers": list(group.layer_names),
+                       "block_size": spec.block_size, "page_size_bytes": spec.page_size_bytes,
+                       "sliding_window": getattr(spec, "sliding_window", None)})
+    return {"num_blocks": config.num_blocks, "groups": groups, "shared": dict(runner.shared_kv_cache_layers),
+            "tensor_bytes": sorted({t.size for t in config.kv_cache_tensors})}
 
 
 def shutdown(llm) -> None:

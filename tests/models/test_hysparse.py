@@ -15,6 +15,7 @@ import vllm_hysparse  # noqa: F401
 from tests.vllm_utils import (
     check_logprobs_close,
     env_without,
+    kv_cache_layout,
     make_llm,
     random_prompts,
     reference_greedy,
@@ -86,6 +87,32 @@ def test_prompt_over_max_model_len_is_rejected_and_engine_keeps_serving(eager_ll
     with pytest.raises(VLLMValidationError, match="maximum context length is 1024 tokens"):
         vllm_greedy(eager_llm, [[100] * 1100], 2)
     check_logprobs_close(expected[:3], vllm_greedy(eager_llm, prompts[:3], MAX_TOKENS))
+
+
+def test_kv_cache_matches_spec(eager_llm, reference):
+    """SPEC §3.4: only full layers own full-length KV; sparse layers share it; SWA caches are windowed."""
+    cfg = reference.config
+    layout = eager_llm.collective_rpc(kv_cache_layout)[0]
+    full = [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"]
+    sparse = [i for i, t in enumerate(cfg.layer_types) if t == "sparse_attention"]
+    oracle = {i: max(f for f in full if f < i) for i in sparse}
+    assert layout["shared"] == {f"model.layers.{i}.self_attn.attn": f"model.layers.{oracle[i]}.self_attn.attn"
+                                for i in sparse}
+    full_groups = [g for g in layout["groups"] if g["type"] == "FullAttentionSpec"]
+    owners = {n for g in full_groups for n in g["layers"]} - set(layout["shared"])
+    assert owners == {f"model.layers.{i}.self_attn.attn" for i in full}
+    windowed = [g for g in layout["groups"] if g["type"] == "SlidingWindowSpec"]
+    assert {n for g in windowed for n in g["layers"]} == {f"model.layers.{i}.self_attn.swa_attn" for i in sparse}
+    assert all(g["sliding_window"] == cfg.swa_window for g in windowed)
+    # Bytes one token of context costs in the full-length caches (float32 K and V).
+    per_layer = 2 * cfg.num_key_value_heads * cfg.head_dim * 4
+    allocated = sum(g["page_size_bytes"] // g["block_size"] * (len(set(g["layers"]) - set(layout["shared"])))
+                    for g in full_groups)
+    assert allocated == per_layer * len(full)
+    # One shared pool: every block is a page of every layer of a group, so the pool holds
+    # num_blocks * block_size tokens of full-length context in the configured 1 GiB.
+    pool_tokens = layout["num_blocks"] * full_groups[0]["block_size"]
+    assert pool_tokens == (1 << 30) // allocated
 
 
 def test_compiled_matches_eager_and_reference(ckpt, eager_llm, prompts, expected):
