@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""HySparse attention backend: the full layer's oracle role and the sparse layer's block-sparse role.
+"""HySparse attention backend: the roles of HySparse and HySparse2 layers in vLLM.
 
 A full layer with sparse followers uses role `oracle`: it stores its K/V in
 its paged cache, computes exact causal attention and writes, per query and KV
@@ -35,7 +35,7 @@ from vllm_hysparse.metrics import pages_touched, worker_stats
 from vllm_hysparse.reference import ops
 
 BACKEND_NAME = "HYSPARSE"
-ROLES = ("oracle", "block_sparse")
+ROLES = ("oracle", "block_sparse", "kv_owner", "token_oracle", "token_sparse")
 
 
 class HySparseAttentionBackend(AttentionBackend):
@@ -95,21 +95,47 @@ class HySparseMetadataBuilder(AttentionMetadataBuilder[HySparseMetadata]):
         )
 
 
+@dataclass(frozen=True)
+class BlockSelection:
+    """HySparse: top-`topk` blocks of `block_size` positions per query and KV group (SPEC §3.1)."""
+
+    block_size: int
+    topk: int
+
+
+@dataclass(frozen=True)
+class TokenSelection:
+    """HySparse2: recent `window` ∪ top-`topk` tokens per query and KV group (SPEC §3.3)."""
+
+    topk: int
+    window: int
+    reduce: str
+
+    @property
+    def width(self) -> int:
+        return self.topk + self.window
+
+
 class HySparseAttentionImpl(AttentionImpl):
-    """Attention with a HySparse role (`oracle` or `block_sparse`).
+    """Attention with a HySparse role.
+
+    Roles: `oracle` (HySparse full layer: output + block ids), `block_sparse`
+    (HySparse sparse layer's global branch), `kv_owner` (HySparse2 bridged
+    cache: only written, never attended), `token_oracle` (HySparse2 cross full
+    layer: output + token positions), `token_sparse` (HySparse2 cross sparse).
 
     Extra args (from `Attention(**extra_impl_args)`):
-        hysparse_role: `oracle` or `block_sparse`.
-        index_buffer: `[max_num_batched_tokens, G, topk]` int32, written by the
-            oracle layer and read by its block-sparse followers.
-        sparse_block_size, sparse_topk_blocks: B and k of SPEC §2.1.
-        sinks: `[H]` float32 sink logits (block-sparse branch), or None.
+        hysparse_role: one of the roles above.
+        index_buffer: `[max_num_batched_tokens, G, width]` int32, written by an
+            oracle role and read by the sparse roles that follow it.
+        selection: `BlockSelection` or `TokenSelection` of the roles that need one.
+        sinks: `[H]` float32 sink logits (sparse roles), or None.
     """
 
     def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
                  logits_soft_cap=None, attn_type=AttentionType.DECODER, kv_sharing_target_layer_name=None, *,
-                 hysparse_role: str, index_buffer: torch.Tensor, sparse_block_size: int, sparse_topk_blocks: int,
-                 sinks: torch.Tensor | None = None):
+                 hysparse_role: str, index_buffer: torch.Tensor | None = None,
+                 selection: BlockSelection | TokenSelection | None = None, sinks: torch.Tensor | None = None):
         if hysparse_role not in ROLES:
             raise ValueError(f"hysparse_role: must be one of {ROLES} (got {hysparse_role!r})")
         if alibi_slopes is not None or sliding_window is not None or logits_soft_cap:
@@ -121,8 +147,7 @@ class HySparseAttentionImpl(AttentionImpl):
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.role = hysparse_role
         self.index_buffer = index_buffer
-        self.block_size = sparse_block_size
-        self.topk = sparse_topk_blocks
+        self.selection = selection
         self.sinks = sinks
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
@@ -137,6 +162,8 @@ class HySparseAttentionImpl(AttentionImpl):
             raise NotImplementedError("fused output quantization is not supported by the HySparse backend")
         if attn_metadata is None:  # profiling / warm-up run
             return output
+        if self.role == "kv_owner":
+            raise RuntimeError("a HySparse2 bridged cache is written by the bridge op and never attended directly")
         key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
         meta = attn_metadata
         for rows in iter_requests(meta.query_start_loc_cpu, meta.seq_lens_cpu, meta.num_actual_tokens):
@@ -144,19 +171,33 @@ class HySparseAttentionImpl(AttentionImpl):
             values = gather_request_kv(value_cache, meta.block_table[rows.index], rows.seq_len)
             for s, e, n_keys in iter_chunks(rows):
                 q, k, v = query[s:e].unsqueeze(0), keys[:, :n_keys], values[:, :n_keys]
-                if self.role == "oracle":
-                    output[s:e].copy_(ops.dense_attention(q, k, v, self.scale)[0])
-                    ids = ops.oracle_block_topk(q, k, self.scale, self.block_size, self.topk)
-                    self.index_buffer[s:e].copy_(ids[0])
-                    self._record_pages(ids[0], n_keys, key_cache.shape[2])
-                else:
-                    ids = self.index_buffer[s:e].unsqueeze(0).long()
-                    o = ops.block_sparse_attention(q, k, v, ids, self.block_size, self.scale, self.sinks)
-                    output[s:e].copy_(o[0])
+                output[s:e].copy_(self._attend(q, k, v, s, e, key_cache.shape[2])[0])
         return output
 
-    def _record_pages(self, block_ids: torch.Tensor, n_keys: int, page_size: int) -> None:
+    def _attend(self, q, k, v, s: int, e: int, page_size: int) -> torch.Tensor:
+        """Rows `[s, e)` of the batch: q `[1, n, H, D]` over k, v `[1, n_keys, G, D]` -> `[1, n, H, D]`."""
+        sel, buf = self.selection, self.index_buffer
+        if self.role == "oracle":
+            ids = ops.oracle_block_topk(q, k, self.scale, sel.block_size, sel.topk)
+            buf[s:e].copy_(ids[0])
+            self._record_pages(pages_touched(ids[0].cpu(), self._positions(e - s, k.shape[1]), sel.block_size,
+                                             page_size), k.shape[1], page_size)
+            return ops.dense_attention(q, k, v, self.scale)
+        if self.role == "token_oracle":
+            ids = ops.token_topk(q, k, self.scale, sel.topk, sel.window, sel.reduce)
+            buf[s:e].copy_(ids[0])
+            self._record_pages(pages_touched(ids[0].cpu(), self._positions(e - s, k.shape[1]), 1, page_size),
+                               k.shape[1], page_size)
+            return ops.dense_attention(q, k, v, self.scale)
+        ids = buf[s:e].unsqueeze(0).long()
+        if self.role == "block_sparse":
+            return ops.block_sparse_attention(q, k, v, ids, sel.block_size, self.scale, self.sinks)
+        return ops.token_sparse_attention(q, k, v, ids, self.scale, self.sinks)
+
+    @staticmethod
+    def _positions(num_rows: int, num_keys: int) -> torch.Tensor:
+        return torch.arange(num_keys - num_rows, num_keys)
+
+    def _record_pages(self, pages: torch.Tensor, num_keys: int, page_size: int) -> None:
         """Pages per query of the selection just made (what every sparse follower will read)."""
-        positions = torch.arange(n_keys - block_ids.shape[0], n_keys)
-        pages = pages_touched(block_ids.cpu(), positions, self.block_size, page_size)
-        worker_stats().add(pages, positions, page_size)
+        worker_stats().add(pages, self._positions(pages.shape[0], num_keys), page_size)

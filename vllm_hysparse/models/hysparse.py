@@ -28,7 +28,7 @@ from vllm.model_executor.models.qwen2 import Qwen2MLP as HySparseMLP
 from vllm.model_executor.models.utils import extract_layer_index, make_layers, maybe_prefix
 from vllm.sequence import IntermediateTensors
 
-from vllm_hysparse.attention.backend import HySparseAttentionBackend
+from vllm_hysparse.attention.backend import BlockSelection, HySparseAttentionBackend
 from vllm_hysparse.configs import HySparseConfig
 from vllm_hysparse.configs.base import kv_report
 from vllm_hysparse.configs.tensors import check_complete, check_tensor, expected_tensors, layer_kind
@@ -95,7 +95,7 @@ class HySparseFullAttention(nn.Module):
         # The last full layer may have no sparse followers: then it is plain attention.
         oracle_args = {} if index_buffer is None else dict(
             attn_backend=HySparseAttentionBackend, hysparse_role="oracle", index_buffer=index_buffer,
-            sparse_block_size=config.sparse_block_size, sparse_topk_blocks=config.sparse_topk_blocks)
+            selection=BlockSelection(config.sparse_block_size, config.sparse_topk_blocks))
         self.attn = Attention(self.heads.num_heads, config.head_dim, config.head_dim**-0.5,
                               num_kv_heads=self.heads.num_kv_heads, cache_config=cache_config,
                               prefix=f"{prefix}.attn", **oracle_args)
@@ -135,7 +135,7 @@ class HySparseSparseAttention(nn.Module):
             h.num_heads, config.head_dim, scale, prefix=f"{prefix}.attn",
             kv_sharing_target_layer_name=attn_layer_name(oracle_layer),
             attn_backend=HySparseAttentionBackend, hysparse_role="block_sparse", index_buffer=index_buffer,
-            sparse_block_size=config.sparse_block_size, sparse_topk_blocks=config.sparse_topk_blocks,
+            selection=BlockSelection(config.sparse_block_size, config.sparse_topk_blocks),
             sinks=self.sparse_sinks, **common)
         self.swa_attn = Attention(h.num_heads, config.head_dim, scale, prefix=f"{prefix}.swa_attn",
                                   per_layer_sliding_window=config.swa_window, sinks=self.swa_sinks, **common)
