@@ -15,35 +15,42 @@ import torch
 from torch import nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
-from vllm.distributed import get_tensor_model_parallel_world_size
-from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from vllm.model_executor.layers.linear import MergedColumnParallelLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from vllm.model_executor.model_loader.weight_utils import default_weight_loader, sharded_weight_loader
 from vllm.model_executor.models.qwen2 import Qwen2MLP as HySparseMLP
 from vllm.model_executor.models.utils import extract_layer_index, make_layers, maybe_prefix
 from vllm.sequence import IntermediateTensors
 
 from vllm_hysparse.attention.backend import BlockSelection, HySparseAttentionBackend
 from vllm_hysparse.configs import HySparseConfig
-from vllm_hysparse.configs.base import kv_report
-from vllm_hysparse.configs.tensors import check_complete, check_tensor, expected_tensors, layer_kind
+from vllm_hysparse.configs.tensors import layer_kind
+from vllm_hysparse.models.common import (
+    QKV_STACK,
+    HeadSplit,
+    apply_gate,
+    gate_width,
+    head_norm,
+    load_checked,
+    log_kv_report,
+    make_sinks,
+    maybe_head_norm,
+    qkv_and_out,
+)
 
-# Under the "vllm" logger tree so vLLM's log configuration prints it.
-logger = init_logger("vllm.hysparse")
-
-# HF module (under `self_attn.` / `mlp.`) -> (vLLM module, shard id) for fused projections.
-STACKED_PARAMS = {
-    "full": {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v")},
+# HF module under `self_attn.` -> (vLLM parameter owner, shard id) of the fused projections.
+STACKS = {
+    "full": QKV_STACK,
     "sparse": {
-        "q_proj": ("qkv_proj", "q"), "swa_k_proj": ("qkv_proj", "k"), "swa_v_proj": ("qkv_proj", "v"),
-        "sparse_gate_proj": ("gate_proj", 0), "swa_gate_proj": ("gate_proj", 1),
+        "q_proj": ("model.layers.{i}.self_attn.qkv_proj", "q"),
+        "swa_k_proj": ("model.layers.{i}.self_attn.qkv_proj", "k"),
+        "swa_v_proj": ("model.layers.{i}.self_attn.qkv_proj", "v"),
+        "sparse_gate_proj": ("model.layers.{i}.self_attn.gate_proj", 0),
+        "swa_gate_proj": ("model.layers.{i}.self_attn.gate_proj", 1),
     },
-    "mlp": {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)},
 }
 
 
@@ -52,44 +59,14 @@ def attn_layer_name(layer_idx: int) -> str:
     return f"model.layers.{layer_idx}.self_attn.attn"
 
 
-class HeadSplit:
-    """Per-rank head counts under tensor parallelism."""
-
-    def __init__(self, config: HySparseConfig):
-        tp = get_tensor_model_parallel_world_size()
-        h, g = config.num_attention_heads, config.num_key_value_heads
-        if h % tp or g % tp:
-            # Oracle scores take a max over each KV group's heads; a group split
-            # across ranks would need a cross-rank reduction we do not do.
-            raise ValueError(
-                f"tensor_parallel_size={tp} must divide num_attention_heads={h} and num_key_value_heads={g}")
-        self.num_heads, self.num_kv_heads, self.head_dim = h // tp, g // tp, config.head_dim
-        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-
-
-def _qkv_and_out(config: HySparseConfig, prefix: str) -> tuple[QKVParallelLinear, RowParallelLinear]:
-    qkv = QKVParallelLinear(config.hidden_size, config.head_dim, config.num_attention_heads,
-                            config.num_key_value_heads, bias=config.attention_bias, prefix=f"{prefix}.qkv_proj")
-    o = RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size, bias=False,
-                          prefix=f"{prefix}.o_proj")
-    return qkv, o
-
-
-def _head_norm(x: torch.Tensor, norm: RMSNorm | None, head_dim: int) -> torch.Tensor:
-    if norm is None:
-        return x
-    return norm(x.view(*x.shape[:-1], -1, head_dim)).view(x.shape)
-
-
 class HySparseFullAttention(nn.Module):
     """Causal attention over the layer's own cache; emits oracle block ids for its sparse followers."""
 
     def __init__(self, config: HySparseConfig, cache_config, index_buffer: torch.Tensor | None, prefix: str):
         super().__init__()
         self.heads = HeadSplit(config)
-        self.qkv_proj, self.o_proj = _qkv_and_out(config, prefix)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.qkv_proj, self.o_proj = qkv_and_out(config, prefix)
+        self.q_norm, self.k_norm = maybe_head_norm(config), maybe_head_norm(config)
         self.rotary_emb = get_rope(config.head_dim, max_position=config.max_position_embeddings,
                                    rope_parameters=config.rope_parameters)
         # The last full layer may have no sparse followers: then it is plain attention.
@@ -104,7 +81,7 @@ class HySparseFullAttention(nn.Module):
         h = self.heads
         qkv, _ = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([h.q_size, h.kv_size, h.kv_size], dim=-1)
-        q, k = _head_norm(q, self.q_norm, h.head_dim), _head_norm(k, self.k_norm, h.head_dim)
+        q, k = head_norm(q, self.q_norm, h.head_dim), head_norm(k, self.k_norm, h.head_dim)
         q, k = self.rotary_emb(positions, q, k)
         out, _ = self.o_proj(self.attn(q, k, v))
         return out
@@ -118,15 +95,13 @@ class HySparseSparseAttention(nn.Module):
         super().__init__()
         self.heads = h = HeadSplit(config)
         # q_proj, swa_k_proj and swa_v_proj are fused like a full layer's q/k/v.
-        self.qkv_proj, self.o_proj = _qkv_and_out(config, prefix)
-        gate_width = config.num_attention_heads * (config.head_dim if config.gate_type == "elementwise" else 1)
-        self.gate_proj = MergedColumnParallelLinear(config.hidden_size, [gate_width] * 2, bias=False,
+        self.qkv_proj, self.o_proj = qkv_and_out(config, prefix)
+        width = gate_width(config)
+        self.gate_proj = MergedColumnParallelLinear(config.hidden_size, [width] * 2, bias=False,
                                                     prefix=f"{prefix}.gate_proj")
-        self.gate_width = gate_width // get_tensor_model_parallel_world_size()
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.swa_k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.sparse_sinks = self._sinks(config)
-        self.swa_sinks = self._sinks(config)
+        self.gate_width = width // h.tp
+        self.q_norm, self.swa_k_norm = maybe_head_norm(config), maybe_head_norm(config)
+        self.sparse_sinks, self.swa_sinks = make_sinks(config, h), make_sinks(config, h)
         self.rotary_emb = get_rope(config.head_dim, max_position=config.max_position_embeddings,
                                    rope_parameters=config.rope_parameters)
         common = dict(num_kv_heads=h.num_kv_heads, cache_config=cache_config)
@@ -140,32 +115,19 @@ class HySparseSparseAttention(nn.Module):
         self.swa_attn = Attention(h.num_heads, config.head_dim, scale, prefix=f"{prefix}.swa_attn",
                                   per_layer_sliding_window=config.swa_window, sinks=self.swa_sinks, **common)
 
-    def _sinks(self, config: HySparseConfig) -> nn.Parameter | None:
-        if not config.use_sinks:
-            return None
-        sinks = nn.Parameter(torch.empty(self.heads.num_heads, dtype=torch.float32), requires_grad=False)
-        sinks.weight_loader = sharded_weight_loader(0)
-        return sinks
-
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         h = self.heads
         qkv, _ = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([h.q_size, h.kv_size, h.kv_size], dim=-1)
-        q, k = _head_norm(q, self.q_norm, h.head_dim), _head_norm(k, self.swa_k_norm, h.head_dim)
+        q, k = head_norm(q, self.q_norm, h.head_dim), head_norm(k, self.swa_k_norm, h.head_dim)
         q, k = self.rotary_emb(positions, q, k)
         o_sparse = self.attn(q, None, None)
         o_swa = self.swa_attn(q, k, v)
         gates, _ = self.gate_proj(hidden_states)
-        g_sparse, g_swa = gates.float().sigmoid().split([self.gate_width, self.gate_width], dim=-1)
-        o = _apply_gate(g_sparse, o_sparse, h) + _apply_gate(g_swa, o_swa, h)
+        g_sparse, g_swa = gates.split([self.gate_width, self.gate_width], dim=-1)
+        o = apply_gate(g_sparse, o_sparse, h) + apply_gate(g_swa, o_swa, h)
         out, _ = self.o_proj(o.to(hidden_states.dtype))
         return out
-
-
-def _apply_gate(gate: torch.Tensor, o: torch.Tensor, heads: HeadSplit) -> torch.Tensor:
-    """gate `[T, H*D]` (elementwise) or `[T, H]` (headwise) times o `[T, H*D]`, in float32."""
-    o = o.float().view(o.shape[0], heads.num_heads, heads.head_dim)
-    return (gate.view(gate.shape[0], heads.num_heads, -1) * o).view(o.shape[0], -1)
 
 
 class HySparseDecoderLayer(nn.Module):
@@ -241,8 +203,7 @@ class HySparseForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
         self.logits_processor = LogitsProcessor(config.vocab_size)
-        dtype_bytes = torch.tensor([], dtype=vllm_config.model_config.dtype).element_size()
-        logger.info(kv_report(config, dtype_bytes, vllm_config.cache_config.kv_cache_memory_bytes))
+        log_kv_report(config, vllm_config)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_input_ids(input_ids)
@@ -256,31 +217,4 @@ class HySparseForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Strict loading: an unknown, missing or mis-shaped tensor is a one-line error naming it."""
-        expected = expected_tensors(self.config)
-        params = dict(self.named_parameters())
-        seen: set[str] = set()
-        for name, weight in weights:
-            check_tensor(expected, name, tuple(weight.shape))
-            seen.add(name)
-            target, shard = self._vllm_name(name)
-            param = params[target]
-            loader = getattr(param, "weight_loader", default_weight_loader)
-            if shard is None:
-                loader(param, weight)
-            else:
-                loader(param, weight, shard)
-        check_complete(expected, seen)
-        return set(params)
-
-    def _vllm_name(self, name: str) -> tuple[str, str | int | None]:
-        """HF tensor name -> (vLLM parameter name, shard id of a fused parameter or None)."""
-        parts = name.split(".")
-        # Only `model.layers.{i}.{self_attn|mlp}.{module}.{weight|bias}` can be fused.
-        if len(parts) != 6 or parts[:2] != ["model", "layers"]:
-            return name, None
-        idx, group, module, leaf = int(parts[2]), parts[3], parts[4], parts[5]
-        table = STACKED_PARAMS["mlp"] if group == "mlp" else STACKED_PARAMS[layer_kind(self.config, idx)]
-        if module not in table:
-            return name, None
-        target, shard = table[module]
-        return f"model.layers.{idx}.{group}.{target}.{leaf}", shard
+        return load_checked(self, self.config, STACKS, weights)

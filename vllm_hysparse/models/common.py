@@ -1,0 +1,124 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Pieces both vLLM models share: head split under TP, per-head norm, gates, sinks, strict loading."""
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.logger import init_logger
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader, sharded_weight_loader
+
+from vllm_hysparse.configs.base import HySparseBaseConfig, kv_report
+from vllm_hysparse.configs.tensors import check_complete, check_tensor, expected_tensors, layer_kind
+
+# Under the "vllm" logger tree so vLLM's log configuration prints it.
+logger = init_logger("vllm.hysparse")
+
+# Per layer kind: HF module under `self_attn.` / `mlp.` -> (vLLM parameter owner, shard id).
+# `{i}` is the layer index; owners outside the layer (HySparse2 bridges) say so.
+StackTable = dict[str, dict[str, tuple[str, str | int]]]
+MLP_STACK = {"gate_proj": ("model.layers.{i}.mlp.gate_up_proj", 0), "up_proj": ("model.layers.{i}.mlp.gate_up_proj", 1)}
+QKV_STACK = {"q_proj": ("model.layers.{i}.self_attn.qkv_proj", "q"), "k_proj": ("model.layers.{i}.self_attn.qkv_proj", "k"),
+             "v_proj": ("model.layers.{i}.self_attn.qkv_proj", "v")}
+
+
+class HeadSplit:
+    """Per-rank head counts under tensor parallelism."""
+
+    def __init__(self, config: HySparseBaseConfig):
+        tp = get_tensor_model_parallel_world_size()
+        h, g = config.num_attention_heads, config.num_key_value_heads
+        if h % tp or g % tp:
+            # Oracle scores reduce over each KV group's heads; a group split across
+            # ranks would need a cross-rank reduction we do not do.
+            raise ValueError(
+                f"tensor_parallel_size={tp} must divide num_attention_heads={h} and num_key_value_heads={g}")
+        self.tp = tp
+        self.num_heads, self.num_kv_heads, self.head_dim = h // tp, g // tp, config.head_dim
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+
+
+def qkv_and_out(config: HySparseBaseConfig, prefix: str) -> tuple[QKVParallelLinear, RowParallelLinear]:
+    """Fused q/k/v projection and the output projection of an attention layer."""
+    qkv = QKVParallelLinear(config.hidden_size, config.head_dim, config.num_attention_heads,
+                            config.num_key_value_heads, bias=config.attention_bias, prefix=f"{prefix}.qkv_proj")
+    return qkv, out_proj(config, prefix)
+
+
+def out_proj(config: HySparseBaseConfig, prefix: str) -> RowParallelLinear:
+    return RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size, bias=False,
+                             prefix=f"{prefix}.o_proj")
+
+
+def maybe_head_norm(config: HySparseBaseConfig) -> RMSNorm | None:
+    return RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+
+
+def head_norm(x: torch.Tensor, norm: RMSNorm | None, head_dim: int) -> torch.Tensor:
+    """Per-head RMSNorm of `[T, n*D]` (identity without `qk_norm`)."""
+    if norm is None:
+        return x
+    return norm(x.view(*x.shape[:-1], -1, head_dim)).view(x.shape)
+
+
+def gate_width(config: HySparseBaseConfig) -> int:
+    """Output width of a gate projection: `H*D` elementwise, `H` headwise (SPEC §2.5)."""
+    return config.num_attention_heads * (config.head_dim if config.gate_type == "elementwise" else 1)
+
+
+def apply_gate(gate_logits: torch.Tensor, o: torch.Tensor, heads: HeadSplit) -> torch.Tensor:
+    """sigmoid(gate) `[T, H*D]` or `[T, H]` times attention output o `[T, H*D]`, in float32."""
+    o = o.float().view(o.shape[0], heads.num_heads, heads.head_dim)
+    gate = gate_logits.float().sigmoid().view(o.shape[0], heads.num_heads, -1)
+    return (gate * o).view(o.shape[0], -1)
+
+
+def make_sinks(config: HySparseBaseConfig, heads: HeadSplit) -> nn.Parameter | None:
+    """`[H / tp]` float32 sink logits of this rank, or None without `use_sinks`."""
+    if not config.use_sinks:
+        return None
+    sinks = nn.Parameter(torch.empty(heads.num_heads, dtype=torch.float32), requires_grad=False)
+    sinks.weight_loader = sharded_weight_loader(0)
+    return sinks
+
+
+def log_kv_report(config: HySparseBaseConfig, vllm_config) -> None:
+    dtype_bytes = torch.tensor([], dtype=vllm_config.model_config.dtype).element_size()
+    logger.info(kv_report(config, dtype_bytes, vllm_config.cache_config.kv_cache_memory_bytes))
+
+
+def vllm_param_name(config: HySparseBaseConfig, stacks: StackTable, name: str) -> tuple[str, str | int | None]:
+    """HF tensor name -> (vLLM parameter name, shard id of a fused parameter or None)."""
+    parts = name.split(".")
+    # Only `model.layers.{i}.{self_attn|mlp}.{module}.{weight|bias}` is ever renamed.
+    if len(parts) != 6 or parts[:2] != ["model", "layers"]:
+        return name, None
+    idx, group, module, leaf = int(parts[2]), parts[3], parts[4], parts[5]
+    table = MLP_STACK if group == "mlp" else stacks.get(layer_kind(config, idx), {})
+    if module not in table:
+        return name, None
+    owner, shard = table[module]
+    return f"{owner.format(i=idx)}.{leaf}", shard
+
+
+def load_checked(model: nn.Module, config: HySparseBaseConfig, stacks: StackTable,
+                 weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    """Strict loading: an unknown, missing or mis-shaped tensor is a one-line error naming it."""
+    expected = expected_tensors(config)
+    params = dict(model.named_parameters())
+    seen: set[str] = set()
+    for name, weight in weights:
+        check_tensor(expected, name, tuple(weight.shape))
+        seen.add(name)
+        target, shard = vllm_param_name(config, stacks, name)
+        param = params[target]
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        if shard is None:
+            loader(param, weight)
+        else:
+            loader(param, weight, shard)
+    check_complete(expected, seen)
+    return set(params)
