@@ -40,7 +40,16 @@ def register() -> None:
     from vllm import ModelRegistry
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+
+    from vllm_hysparse.models.config_hooks import HySparse2ConfigUpdater
+
     ModelRegistry.register_model("HySparseForCausalLM", "vllm_hysparse.models.hysparse:HySparseForCausalLM")
+    ModelRegistry.register_model("HySparse2ForCausalLM", "vllm_hysparse.models.hysparse2:HySparse2ForCausalLM")
+    MODELS_CONFIG_MAP.setdefault("HySparse2ForCausalLM", HySparse2ConfigUpdater)
+    from vllm_hysparse.compat import install_prompt_logprobs_guard
+
+    install_prompt_logprobs_guard()
     if "HYSPARSE" not in AttentionBackendEnum.__members__:
         register_backend("HYSPARSE", "vllm_hysparse.attention.backend.HySparseAttentionBackend")
 

@@ -78,8 +78,11 @@ class PagesPerQueryStats:
         with self._lock:
             text, self._dirty = json.dumps(self.totals), False
         tmp = self._path.with_suffix(".tmp")
-        tmp.write_text(text)
-        tmp.replace(self._path)
+        try:
+            tmp.write_text(text)
+            tmp.replace(self._path)
+        except OSError:
+            pass  # the serving process removed the directory on shutdown
 
     def _publish_loop(self) -> None:
         while True:

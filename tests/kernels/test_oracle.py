@@ -1,0 +1,192 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Oracle attention: the naive paged version against the dense reference ops, the Triton kernels against the naive."""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from csrc_triton.oracle import oracle_attention, oracle_attention_naive
+from csrc_triton.oracle.kernel import oracle_fwd
+from tests.kernels.conftest import DEVICE, make_paged_batch, nan_like
+from vllm_hysparse.reference import ops
+
+
+@dataclass
+class Case:
+    q_lens: list[int]
+    seq_lens: list[int]
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    page_size: int = 16
+    block_size: int = 16
+    topk: int = 3
+    layout: str = "hnd"
+    pad_tokens: int = 0
+
+    def __str__(self):
+        return (f"q{self.q_lens}-s{self.seq_lens}-H{self.num_heads}-G{self.num_kv_heads}-D{self.head_dim}"
+                f"-P{self.page_size}-B{self.block_size}-K{self.topk}-{self.layout}").replace(" ", "")
+
+
+CASES = [
+    # prefill (q_len = seq_len), chunked prefill and two decodes; lengths B*k, B*k - 1, B + 1, 2B + 1
+    Case([64, 20, 1, 1], [64, 47, 17, 33], pad_tokens=2),
+    # MQA; a block spans two pages; NHD physical layout
+    Case([40, 1, 9], [40, 95, 63], num_kv_heads=1, block_size=32, topk=2, layout="nhd"),
+    # a page holds two blocks; fewer visible blocks than topk (-1 padding); a request with no query rows
+    Case([15, 0, 1, 33], [15, 20, 40, 33], page_size=32, topk=4),
+    # blocks longer than a key tile; 8 heads per group
+    Case([100, 1], [300, 97], num_heads=8, num_kv_heads=1, head_dim=64, block_size=128, topk=2),
+    # MHA, the production block size; head dim 128
+    Case([30, 1], [70, 129], num_heads=2, num_kv_heads=2, head_dim=128, block_size=64, topk=2),
+    # 3 heads per group, head dim and block size not powers of two
+    Case([6, 1], [50, 100], num_heads=6, num_kv_heads=2, head_dim=80, block_size=48, topk=2, pad_tokens=1),
+]
+# decode only: the launcher picks the split-KV kernel
+DECODE = Case([1, 1, 1, 1], [1, 16, 65, 200], topk=4, pad_tokens=1)
+# k = 16 with more visible blocks than that, in a 1K context
+LONG = Case([1, 1, 2], [1100, 300, 1030], num_heads=8, num_kv_heads=2, head_dim=64, block_size=64, topk=16)
+
+
+def make_inputs(case: Case, dtype, seed=0):
+    batch = make_paged_batch(case.q_lens, case.seq_lens, num_kv_heads=case.num_kv_heads, head_dim=case.head_dim,
+                             page_size=case.page_size, dtype=dtype, seed=seed, layout=case.layout,
+                             pad_tokens=case.pad_tokens)
+    g = torch.Generator().manual_seed(seed + 1)
+    # a strided q: every other head of a wider projection output
+    q = torch.randn(batch.num_tokens, 2 * case.num_heads, case.head_dim, generator=g).to(dtype)[:, ::2]
+    return batch, q.to(DEVICE)
+
+
+def run(fn, batch, q, case, out=None, **kwargs):
+    return fn(q, batch.k_cache, batch.v_cache, batch.block_table, batch.query_start_loc, batch.seq_lens_t,
+              scale=case.head_dim ** -0.5, sparse_block_size=case.block_size, topk=case.topk, out=out,
+              return_block_scores=True, **kwargs)
+
+
+def assert_same_topk(ids, ref_ids, ref_scores, atol):
+    """Same selections up to swaps of blocks whose reference scores agree within atol (near ties)."""
+    assert ids.shape == ref_ids.shape and ids.dtype == torch.int32
+    assert ((ids >= 0).sum(-1) == (ref_ids >= 0).sum(-1)).all(), "different numbers of selected blocks"
+    # ascending, distinct, -1 only at the end
+    key = ids.long().masked_fill(ids < 0, 1 << 40)
+    assert (key[..., 1:] > key[..., :-1]).logical_or(key[..., 1:] == 1 << 40).all(), "ids not ascending"
+
+    def picked(x):
+        s = torch.gather(ref_scores, -1, x.long().clamp_min(0)).masked_fill(x < 0, -1.0)
+        return s.sort(dim=-1).values
+
+    torch.testing.assert_close(picked(ids), picked(ref_ids), atol=atol, rtol=0)
+
+
+def check_against_naive(case, dtype, got, ref, batch):
+    out, ids, scores = got
+    ref_out, ref_ids, ref_scores = ref
+    assert not out.isnan().any()
+    tol = 1e-4 if dtype == torch.float32 else 5e-3
+    torch.testing.assert_close(out, ref_out, atol=tol, rtol=tol)
+    torch.testing.assert_close(scores, ref_scores, atol=1e-5, rtol=1e-4)
+    assert_same_topk(ids, ref_ids, ref_scores, atol=1e-5)
+    # padding rows past the last request: zeros and -1
+    n = sum(batch.q_lens)
+    assert (out[n:] == 0).all() and (ids[n:] == -1).all()
+
+
+@pytest.mark.parametrize("case", CASES[:3] + [CASES[5], LONG], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_naive_matches_reference(case, dtype):
+    batch, q = make_inputs(case, dtype)
+    scale = case.head_dim ** -0.5
+    out, ids, scores = run(oracle_attention_naive, batch, q, case)
+    tol = 1e-5 if dtype == torch.float32 else 1e-3
+    for r, row0, _ in batch.rows():
+        if batch.q_lens[r] == 0:
+            continue
+        rows = slice(row0, row0 + batch.q_lens[r])
+        qr, k, v = q[None, rows], batch.keys[r][None], batch.values[r][None]
+        torch.testing.assert_close(out[rows], ops.dense_attention(qr, k, v, scale)[0], atol=tol, rtol=tol)
+        ref_ids = ops.oracle_block_topk(qr, k, scale, case.block_size, case.topk)[0]
+        assert (ids[rows] == ref_ids).all()
+        ref_scores = ops.oracle_block_scores(ops.attention_logits(qr, k, scale), case.block_size, case.num_kv_heads)
+        nb = ref_scores.shape[-1]
+        torch.testing.assert_close(scores[rows, :, :nb], ref_scores[0].transpose(0, 1), atol=1e-6, rtol=1e-5)
+        assert (scores[rows, :, nb:] == 0).all()
+    n = sum(batch.q_lens)
+    assert (out[n:] == 0).all() and (ids[n:] == -1).all()
+
+
+@pytest.mark.parametrize("fn", [oracle_attention_naive, oracle_attention], ids=["naive", "triton"])
+def test_ties_go_to_smaller_blocks(fn):
+    """q = 0 makes every logit 0: all visible blocks tie, and the first topk of them win."""
+    case = Case([100, 1], [100, 37], block_size=16, topk=3)
+    batch, q = make_inputs(case, torch.float32)
+    _, ids, scores = run(fn, batch, torch.zeros_like(q), case)
+    for t, pos in enumerate(batch.positions()):
+        visible = pos // case.block_size + 1
+        want = list(range(min(visible, case.topk))) + [-1] * max(0, case.topk - visible)
+        assert ids[t].tolist() == [want] * case.num_kv_heads, (t, pos)
+        # every visible block holds the row max: S = 1 / (number of visible keys)
+        torch.testing.assert_close(scores[t, :, :visible], torch.full_like(scores[t, :, :visible], 1 / (pos + 1)))
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_oracle_attention(case, dtype):
+    batch, q = make_inputs(case, dtype)
+    ref = run(oracle_attention_naive, batch, q, case)
+    out = nan_like(q)
+    got = run(oracle_attention, batch, q, case, out=out)
+    assert got[0] is out
+    check_against_naive(case, dtype, got, ref, batch)
+
+
+@pytest.mark.parametrize("num_splits", [None, 0, 1, 4])
+def test_decode(num_splits):
+    """Split-KV (the launcher's choice for this batch, 1 and 4 splits) and the prefill kernel on decode rows."""
+    batch, q = make_inputs(DECODE, torch.float16)
+    ref = run(oracle_attention_naive, batch, q, DECODE)
+    got = run(oracle_fwd, batch, q, DECODE, out=nan_like(q), num_splits=num_splits)
+    check_against_naive(DECODE, torch.float16, got, ref, batch)
+
+
+@pytest.mark.parametrize("num_splits", [0, 2])
+def test_long_context(num_splits):
+    batch, q = make_inputs(LONG, torch.float16, seed=1)
+    ref = run(oracle_attention_naive, batch, q, LONG)
+    got = run(oracle_fwd, batch, q, LONG, out=nan_like(q), num_splits=num_splits)
+    check_against_naive(LONG, torch.float16, got, ref, batch)
+    # 1100 keys are 18 blocks: all 16 slots are used
+    assert (got[1][0] >= 0).all()
+
+
+def test_split_kv_any_batch():
+    """The split-KV kernel is exact for prefill rows too (each row finds its own request)."""
+    case = Case([9, 3, 0, 1], [9, 40, 5, 17], block_size=32, topk=2, pad_tokens=1)
+    batch, q = make_inputs(case, torch.float32)
+    ref = run(oracle_attention_naive, batch, q, case)
+    got = run(oracle_fwd, batch, q, case, out=nan_like(q), num_splits=2)
+    check_against_naive(case, torch.float32, got, ref, batch)
+
+
+def test_without_block_scores():
+    case = CASES[0]
+    batch, q = make_inputs(case, torch.float32)
+    kwargs = dict(scale=case.head_dim ** -0.5, sparse_block_size=case.block_size, topk=case.topk)
+    args = (q, batch.k_cache, batch.v_cache, batch.block_table, batch.query_start_loc, batch.seq_lens_t)
+    out, ids = oracle_attention(*args, **kwargs)
+    ref_out, ref_ids = oracle_attention_naive(*args, **kwargs)
+    torch.testing.assert_close(out, ref_out, atol=1e-4, rtol=1e-4)
+    assert (ids == ref_ids).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 math is wrong in the Triton interpreter")
+@pytest.mark.parametrize("case", [CASES[0], CASES[3], DECODE], ids=str)
+def test_oracle_attention_bf16(case):
+    batch, q = make_inputs(case, torch.bfloat16)
+    ref_out, ref_ids, ref_scores = run(oracle_attention_naive, batch, q, case)
+    out, ids, scores = run(oracle_attention, batch, q, case, out=nan_like(q))
+    torch.testing.assert_close(out, ref_out, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(scores, ref_scores, atol=1e-5, rtol=1e-4)
+    assert_same_topk(ids, ref_ids, ref_scores, atol=1e-5)

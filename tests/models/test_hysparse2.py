@@ -1,0 +1,196 @@
+# SPDX-License-Identifier: Apache-2.0
+"""HySparse2 in the real vLLM engine (CPU, float32) against the reference model.
+
+The tiny preset selects 16 tokens + a recent window of 16 (so prompts of 32 and
+more tokens are genuinely sparse in the cross-decoder) and its self-decoder
+slides a 32-token window. Prefill early exit is on by default.
+"""
+
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import vllm_hysparse  # noqa: F401
+from tests.vllm_utils import (
+    check_logprobs_close,
+    env_without,
+    kv_cache_layout,
+    make_llm,
+    random_prompts,
+    reference_greedy,
+    shutdown,
+    vllm_greedy,
+)
+from vllm_hysparse.models.config_hooks import EARLY_EXIT_ENV
+from vllm_hysparse.tools.make_checkpoint import write_checkpoint
+
+LENGTHS = [1, 15, 16, 17, 31, 32, 33, 48, 100, 300]
+MAX_TOKENS = 8
+
+
+def _queries(llm) -> float:
+    return sum(m.value for m in llm.get_metrics() if m.name == "vllm:hysparse_sparse_queries")
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("hysparse2") / "tiny", "hysparse2", "tiny", seed=12)
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    return AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts(reference):
+    return random_prompts(LENGTHS, reference.config.vocab_size, seed=7)
+
+
+@pytest.fixture(scope="module")
+def expected(reference, prompts):
+    return reference_greedy(reference, prompts, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def llm(ckpt):
+    engine = make_llm(ckpt, enforce_eager=True, block_size=32, max_num_batched_tokens=64, max_num_seqs=16,
+                      disable_log_stats=False)
+    yield engine
+    shutdown(engine)
+
+
+def test_early_exit_matches_reference_with_chunked_prefill(llm, prompts, expected):
+    check_logprobs_close(expected, vllm_greedy(llm, prompts, MAX_TOKENS))
+
+
+def test_early_exit_runs_cross_decoder_on_logits_rows_only(llm, reference):
+    cfg = reference.config
+    n_cross_full = len(cfg.cross_full_layers)
+    prompt = random_prompts([200], cfg.vocab_size, seed=8)
+    before = _queries(llm)
+    vllm_greedy(llm, prompt, 3)
+    time.sleep(0.6)  # the worker publishes its counters every 0.2 s
+    # The 200-token prompt runs in 4 chunks (64-token steps): only the chunk that ends the
+    # prompt produces a logits row, then 2 decode steps: at most 4 + 2 rows per cross full layer
+    # (per KV group) instead of 202 without early exit.
+    rows = (_queries(llm) - before) / (n_cross_full * cfg.num_key_value_heads)
+    assert 3 <= rows <= 6
+
+
+def test_prefix_cache_hits_match_reference(llm, reference, prompts):
+    long_prompt = prompts[-1]
+    shared = [long_prompt, long_prompt, long_prompt[:250] + prompts[-2][:40]]
+    got = [vllm_greedy(llm, [p], MAX_TOKENS)[0] for p in shared]
+    check_logprobs_close(reference_greedy(reference, shared, MAX_TOKENS), got)
+
+
+def test_concurrent_requests(llm, reference):
+    lengths = [int(n) for n in torch.randint(1, 150, (16,), generator=torch.Generator().manual_seed(9))]
+    many = random_prompts(lengths, reference.config.vocab_size, seed=10)
+    check_logprobs_close(reference_greedy(reference, many, 4), vllm_greedy(llm, many, 4))
+
+
+def test_prompt_logprobs_rejected_with_early_exit(llm, prompts):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from vllm.exceptions import VLLMValidationError
+
+    with pytest.raises(VLLMValidationError, match=f"prompt_logprobs are not available.*{EARLY_EXIT_ENV}=0"):
+        llm.generate([TokensPrompt(prompt_token_ids=prompts[3])], SamplingParams(max_tokens=1, prompt_logprobs=1),
+                     use_tqdm=False)
+    # The engine keeps serving.
+    assert len(vllm_greedy(llm, prompts[:1], 2)[0].token_ids) == 2
+
+
+def test_kv_cache_matches_spec(llm, reference):
+    """SPEC §3.4: full-length caches for self full layers and one per bridged cross full layer only."""
+    cfg = reference.config
+    layout = llm.collective_rpc(kv_cache_layout)[0]
+    owners = {n for g in layout["groups"] if g["type"] == "FullAttentionSpec" for n in g["layers"]}
+    owners -= set(layout["shared"])
+    self_full = [i for i in range(cfg.num_self_decoder_layers) if cfg.layer_types[i] == "full_attention"]
+    assert owners == ({f"model.layers.{i}.self_attn.attn" for i in self_full}
+                      | {f"model.bridges.{c}.attn" for c in cfg.cross_full_layers})
+    cross = range(cfg.num_self_decoder_layers, cfg.num_hidden_layers)
+    targets = {i: f"model.bridges.{i if cfg.layer_types[i] == 'full_attention' else cfg.oracle_layer[i]}.attn"
+               for i in cross}
+    assert layout["shared"] == {f"model.layers.{i}.self_attn.attn": t for i, t in targets.items()}
+    windowed = {n for g in layout["groups"] if g["type"] == "SlidingWindowSpec" for n in g["layers"]}
+    assert windowed == {f"model.layers.{i}.self_attn.attn" for i, t in enumerate(cfg.layer_types)
+                        if t == "sliding_attention"}
+
+
+@pytest.fixture(scope="module")
+def no_exit_llm(ckpt, monkeypatch_module):
+    monkeypatch_module.setenv(EARLY_EXIT_ENV, "0")
+    engine = make_llm(ckpt, enforce_eager=True, block_size=32, max_num_batched_tokens=64)
+    yield engine
+    shutdown(engine)
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def test_without_early_exit_matches_reference_and_serves_prompt_logprobs(no_exit_llm, reference, prompts,
+                                                                          expected):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    check_logprobs_close(expected, vllm_greedy(no_exit_llm, prompts, MAX_TOKENS))
+    prompt = prompts[-2]
+    out = no_exit_llm.generate([TokensPrompt(prompt_token_ids=prompt)],
+                               SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
+    with torch.no_grad():
+        logits = reference(torch.tensor([prompt]), use_cache=False).logits[0].double()
+    want = torch.log_softmax(logits, -1)
+    for pos in range(1, len(prompt)):
+        got = out.prompt_logprobs[pos][prompt[pos]].logprob
+        assert abs(got - float(want[pos - 1, prompt[pos]])) < 2e-3, pos
+
+
+def test_compiled_early_exit_matches_reference(ckpt, prompts, expected):
+    engine = make_llm(ckpt)
+    try:
+        check_logprobs_close(expected, vllm_greedy(engine, prompts, MAX_TOKENS))
+    finally:
+        shutdown(engine)
+
+
+@pytest.mark.parametrize("overrides", [
+    # NoPE -> RoPE on full/sparse layers, summed head scores, two bridge sources.
+    {"full_rope": True, "score_head_reduce": "sum", "num_key_value_heads": 2,
+     "layer_types": ["full_attention", "sliding_attention", "full_attention", "full_attention",
+                     "sparse_attention", "full_attention", "sparse_attention"],
+     "num_self_decoder_layers": 3, "bridge_sources": [2, 0]},
+], ids=["rope-sum-two-sources"])
+def test_layout_variants_match_reference(tmp_path, overrides):
+    ckpt = write_checkpoint(tmp_path / "variant", "hysparse2", "tiny", overrides=overrides, seed=13)
+    reference = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    prompts = random_prompts([5, 33, 90, 200], reference.config.vocab_size, seed=11)
+    engine = make_llm(ckpt, enforce_eager=True, block_size=32, max_num_batched_tokens=64)
+    try:
+        got = vllm_greedy(engine, prompts, MAX_TOKENS)
+    finally:
+        shutdown(engine)
+    check_logprobs_close(reference_greedy(reference, prompts, MAX_TOKENS), got)
+
+
+def test_preemption_matches_reference(ckpt, reference):
+    prompts = random_prompts([120] * 5, reference.config.vocab_size, seed=14)
+    with env_without("VLLM_CPU_KVCACHE_SPACE"):
+        engine = make_llm(ckpt, enforce_eager=True, block_size=32, kv_cache_memory_bytes=10 * 32 * 1024 * 3,
+                          max_model_len=256, disable_log_stats=False)
+    try:
+        got = vllm_greedy(engine, prompts, 100)
+        preempted = sum(m.value for m in engine.get_metrics() if m.name == "vllm:num_preemptions")
+    finally:
+        shutdown(engine)
+    assert preempted > 0, "the small KV cache should have forced preemption"
+    check_logprobs_close(reference_greedy(reference, prompts, 100), got)

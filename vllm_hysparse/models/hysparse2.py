@@ -1,0 +1,353 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Inference-only HySparse2 model compatible with HySparse2 checkpoints (SPEC §2.3, §2.4, §3.3).
+
+Self-decoder: full and sliding layers, each owning its cache. Cross-decoder:
+full and sparse layers owning **no** cache. Each cross full layer's K/V are
+*bridged*: projected from the residual stream entering a self-decoder full
+layer and stored, during the self-decoder pass, into a cache owned by a
+"bridge" `Attention` built before every cross-decoder layer. Cross layers
+share that cache (vLLM KV sharing): the cross full layer attends over it and
+picks per query and KV group the recent window ∪ top-k tokens; its sparse
+followers attend over those tokens with one sink softmax.
+
+Because every cross-decoder `Attention` shares KV and comes last, vLLM's
+KV-sharing fast prefill applies: with it (on by default, see
+`vllm_hysparse.models.config_hooks`) prompt tokens run the self-decoder and the bridge
+projections only, and the cross-decoder runs on the rows whose logits are
+needed (prefill early exit, exact by construction).
+"""
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from vllm.compilation.decorators import support_torch_compile
+from vllm.config import VllmConfig
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.rotary_embedding import get_rope
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.models.qwen2 import Qwen2MLP as HySparse2MLP
+from vllm.model_executor.models.utils import maybe_prefix
+from vllm.v1.attention.backends.utils import KVSharingFastPrefillMetadata
+
+from vllm_hysparse.attention.backend import HySparseAttentionBackend, TokenSelection
+from vllm_hysparse.attention.bridge import bridge_kv_write
+from vllm_hysparse.configs import HySparse2Config
+from vllm_hysparse.configs.tensors import layer_kind
+from vllm_hysparse.models.common import (
+    QKV_STACK,
+    HeadSplit,
+    apply_gate,
+    gate_width,
+    head_norm,
+    load_checked,
+    log_kv_report,
+    make_sinks,
+    maybe_head_norm,
+    out_proj,
+    qkv_and_out,
+)
+
+# HF module under `self_attn.` -> (vLLM parameter owner, shard id); bridged K/V live in `model.bridges`.
+STACKS = {
+    "full": QKV_STACK,
+    "sliding": QKV_STACK,
+    "cross_full": {
+        "k_proj": ("model.bridges.{i}.kv_proj", 0), "v_proj": ("model.bridges.{i}.kv_proj", 1),
+        "k_norm": ("model.bridges.{i}.k_norm", None), "bridge_norm": ("model.bridges.{i}.bridge_norm", None),
+    },
+}
+
+
+def bridge_layer_name(cross_layer: int) -> str:
+    return f"model.bridges.{cross_layer}.attn"
+
+
+def _rope(config: HySparse2Config, sliding: bool):
+    if sliding:
+        params = {"rope_type": "default", "rope_theta": config.swa_rope_theta, "rope_dim": config.swa_rotary_dim}
+        return get_rope(config.head_dim, max_position=config.max_position_embeddings, rope_parameters=params)
+    if not config.full_rope:
+        return None  # NoPE on full and sparse layers (SPEC §2.3)
+    return get_rope(config.head_dim, max_position=config.max_position_embeddings,
+                    rope_parameters=config.rope_parameters)
+
+
+def _rotate(rope, positions, q, k=None):
+    if rope is None:
+        return q, k
+    return rope(positions, q, k)
+
+
+class HySparse2Bridge(nn.Module):
+    """K/V of cross full layer `c` from the residual stream entering its bridge source; owns its cache."""
+
+    def __init__(self, config: HySparse2Config, cache_config, cross_layer: int, prefix: str):
+        super().__init__()
+        self.heads = h = HeadSplit(config)
+        g_width = config.num_key_value_heads * config.head_dim
+        self.bridge_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.kv_proj = MergedColumnParallelLinear(config.hidden_size, [g_width] * 2, bias=config.attention_bias,
+                                                  prefix=f"{prefix}.kv_proj")
+        self.k_norm = maybe_head_norm(config)
+        self.rotary_emb = _rope(config, sliding=False)
+        self.layer_name = bridge_layer_name(cross_layer)
+        self.attn = Attention(h.num_heads, config.head_dim, config.head_dim**-0.5, num_kv_heads=h.num_kv_heads,
+                              cache_config=cache_config, prefix=self.layer_name,
+                              attn_backend=HySparseAttentionBackend, hysparse_role="kv_owner")
+        # Only ordered by the write op; never read.
+        self.register_buffer("write_dependency", torch.zeros(1), persistent=False)
+
+    def forward(self, positions: torch.Tensor, h_src: torch.Tensor) -> None:
+        kv, _ = self.kv_proj(self.bridge_norm(h_src))
+        k, v = kv.split([self.heads.kv_size, self.heads.kv_size], dim=-1)
+        k = head_norm(k, self.k_norm, self.heads.head_dim)
+        if self.rotary_emb is not None:
+            k = _rotate_alone(self.rotary_emb, positions, k)
+        shape = (-1, self.heads.num_kv_heads, self.heads.head_dim)
+        bridge_kv_write(k.view(shape), v.contiguous().view(shape), self.write_dependency, self.layer_name)
+
+
+def _rotate_alone(rope, positions, x):
+    """RoPE on one `[T, n*D]` tensor (a bridged K or a cross-decoder q): q and k rotate alike."""
+    x, _ = rope(positions, x, None)
+    return x
+
+
+class HySparse2SelfAttention(nn.Module):
+    """Self-decoder layer: full (NoPE unless `full_rope`) or sliding (partial RoPE, sink, gate)."""
+
+    def __init__(self, config: HySparse2Config, cache_config, sliding: bool, prefix: str):
+        super().__init__()
+        self.heads = h = HeadSplit(config)
+        self.sliding = sliding
+        self.qkv_proj, self.o_proj = qkv_and_out(config, prefix)
+        self.q_norm, self.k_norm = maybe_head_norm(config), maybe_head_norm(config)
+        self.rotary_emb = _rope(config, sliding)
+        extra = {}
+        if sliding:
+            self.gate_proj = ColumnParallelLinear(config.hidden_size, gate_width(config), bias=False,
+                                                  prefix=f"{prefix}.gate_proj")
+            self.sinks = make_sinks(config, h)
+            extra = dict(per_layer_sliding_window=config.swa_window, sinks=self.sinks)
+        self.attn = Attention(h.num_heads, config.head_dim, config.head_dim**-0.5, num_kv_heads=h.num_kv_heads,
+                              cache_config=cache_config, prefix=f"{prefix}.attn", **extra)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        h = self.heads
+        qkv, _ = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([h.q_size, h.kv_size, h.kv_size], dim=-1)
+        q, k = head_norm(q, self.q_norm, h.head_dim), head_norm(k, self.k_norm, h.head_dim)
+        q, k = _rotate(self.rotary_emb, positions, q, k)
+        o = self.attn(q, k, v)
+        if self.sliding:
+            gate, _ = self.gate_proj(hidden_states)
+            o = apply_gate(gate, o, h).to(hidden_states.dtype)
+        out, _ = self.o_proj(o)
+        return out
+
+
+class HySparse2CrossAttention(nn.Module):
+    """Cross-decoder layer: full (attends the bridged cache, selects tokens) or sparse (attends the selection)."""
+
+    def __init__(self, config: HySparse2Config, cache_config, full: bool, cache_layer: int,
+                 index_buffer: torch.Tensor, prefix: str):
+        super().__init__()
+        self.heads = h = HeadSplit(config)
+        self.full = full
+        self.q_proj = ColumnParallelLinear(config.hidden_size, config.num_attention_heads * config.head_dim,
+                                           bias=config.attention_bias, prefix=f"{prefix}.q_proj")
+        self.o_proj = out_proj(config, prefix)
+        self.q_norm = maybe_head_norm(config)
+        self.rotary_emb = _rope(config, sliding=False)
+        selection = TokenSelection(config.sparse_topk_tokens, config.recent_window, config.score_head_reduce)
+        extra = dict(hysparse_role="token_oracle", index_buffer=index_buffer, selection=selection)
+        if not full:
+            self.gate_proj = ColumnParallelLinear(config.hidden_size, gate_width(config), bias=False,
+                                                  prefix=f"{prefix}.gate_proj")
+            self.sinks = make_sinks(config, h)
+            extra.update(hysparse_role="token_sparse", sinks=self.sinks)
+        self.attn = Attention(h.num_heads, config.head_dim, config.head_dim**-0.5, num_kv_heads=h.num_kv_heads,
+                              cache_config=cache_config, prefix=f"{prefix}.attn",
+                              kv_sharing_target_layer_name=bridge_layer_name(cache_layer),
+                              attn_backend=HySparseAttentionBackend, **extra)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        q, _ = self.q_proj(hidden_states)
+        q = head_norm(q, self.q_norm, self.heads.head_dim)
+        if self.rotary_emb is not None:
+            q = _rotate_alone(self.rotary_emb, positions, q)
+        o = self.attn(q, None, None)
+        if not self.full:
+            gate, _ = self.gate_proj(hidden_states)
+            o = apply_gate(gate, o, self.heads).to(hidden_states.dtype)
+        out, _ = self.o_proj(o)
+        return out
+
+
+class HySparse2DecoderLayer(nn.Module):
+    def __init__(self, config: HySparse2Config, attn: nn.Module, bridges: list[HySparse2Bridge], prefix: str):
+        super().__init__()
+        self.self_attn = attn
+        # Bridges whose source is this layer: they read the residual stream entering it.
+        self.bridges = bridges
+        self.mlp = HySparse2MLP(config.hidden_size, config.intermediate_size, config.hidden_act,
+                                prefix=f"{prefix}.mlp")
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, positions, hidden_states, residual):
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        for bridge in self.bridges:
+            bridge(positions, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+def _run_layers(layers, positions, hidden_states, residual):
+    for layer in layers:
+        hidden_states, residual = layer(positions, hidden_states, residual)
+    return hidden_states, residual
+
+
+@support_torch_compile(enable_if=lambda c: c.cache_config.kv_sharing_fast_prefill)
+class HySparse2SelfDecoder(nn.Module):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", layers: nn.ModuleList):
+        super().__init__()
+        self.layers = layers
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _run_layers(self.layers, positions, hidden_states, None)
+
+
+@support_torch_compile(enable_if=lambda c: c.cache_config.kv_sharing_fast_prefill)
+class HySparse2CrossDecoder(nn.Module):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", layers: nn.ModuleList):
+        super().__init__()
+        self.layers = layers
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return _run_layers(self.layers, positions, hidden_states, residual)
+
+
+@support_torch_compile(
+    dynamic_arg_dims={"input_ids": 0, "positions": -1, "intermediate_tensors": 0, "inputs_embeds": 0},
+    enable_if=lambda c: not c.cache_config.kv_sharing_fast_prefill)
+class HySparse2Model(nn.Module):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        config: HySparse2Config = vllm_config.model_config.hf_config
+        cache_config = vllm_config.cache_config
+        self.config = config
+        self.fast_prefill = cache_config.kv_sharing_fast_prefill
+        heads = HeadSplit(config)
+        max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+        width = config.sparse_topk_tokens + config.recent_window
+        # One token-selection buffer per cross full layer: [tokens, G, k_g + w] positions.
+        index_buffers = {c: torch.full((max_tokens, heads.num_kv_heads, width), -1, dtype=torch.int32)
+                         for c in config.cross_full_layers}
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
+                                                   prefix=f"{prefix}.embed_tokens")
+        # Bridges own caches, so they are built before any cross-decoder Attention: vLLM's fast
+        # prefill needs every Attention after the last cache owner to share KV.
+        self.bridges = nn.ModuleDict({
+            str(c): HySparse2Bridge(config, cache_config, c, prefix=f"{prefix}.bridges.{c}")
+            for c in config.cross_full_layers})
+        self.layers = nn.ModuleList(
+            self._make_layer(config, cache_config, i, index_buffers, f"{prefix}.layers.{i}")
+            for i in range(config.num_hidden_layers))
+        n_self = config.num_self_decoder_layers
+        from vllm.compilation.backends import set_model_tag
+
+        with set_model_tag("self_decoder"):
+            self.self_decoder = HySparse2SelfDecoder(vllm_config=vllm_config, prefix=f"{prefix}.self_decoder",
+                                                     layers=self.layers[:n_self])
+        with set_model_tag("cross_decoder"):
+            self.cross_decoder = HySparse2CrossDecoder(vllm_config=vllm_config, prefix=f"{prefix}.cross_decoder",
+                                                       layers=self.layers[n_self:])
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def _make_layer(self, config, cache_config, i, index_buffers, prefix) -> HySparse2DecoderLayer:
+        kind = layer_kind(config, i)
+        if kind in ("full", "sliding"):
+            attn = HySparse2SelfAttention(config, cache_config, kind == "sliding", f"{prefix}.self_attn")
+        else:
+            cache_layer = i if kind == "cross_full" else config.oracle_layer[i]
+            attn = HySparse2CrossAttention(config, cache_config, kind == "cross_full", cache_layer,
+                                           index_buffers[cache_layer], f"{prefix}.self_attn")
+        bridges = [self.bridges[str(c)] for c, src in config.bridge_source.items() if src == i]
+        return HySparse2DecoderLayer(config, attn, bridges, prefix)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
+        hidden_states = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
+        if self.fast_prefill:
+            return self._early_exit_forward(positions, hidden_states)
+        hidden_states, residual = _run_layers(self.layers, positions, hidden_states, None)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+    def _logits_rows(self) -> tuple[torch.Tensor | None, int | None]:
+        """(row indices, count) whose logits this step needs, from the fast-prefill metadata."""
+        metadata = get_forward_context().attn_metadata
+        if metadata is None:  # profiling run
+            return None, None
+        last = metadata[self.layers[-1].self_attn.attn.layer_name]
+        if isinstance(last, KVSharingFastPrefillMetadata):
+            return last.logits_indices_padded, last.num_logits_indices
+        return None, None
+
+    def _early_exit_forward(self, positions, hidden_states):
+        """Self-decoder (and bridges) on every row; cross-decoder on the logits rows only (SPEC §3.3)."""
+        hidden_states, residual = self.self_decoder(positions, hidden_states)
+        rows, count = self._logits_rows()
+        if rows is None:  # decode-only step or profiling: every row needs logits
+            out, residual = self.cross_decoder(positions, hidden_states, residual)
+            out, _ = self.norm(out, residual)
+            return out
+        out, cross_residual = self.cross_decoder(positions[rows], hidden_states[rows], residual[rows])
+        out, _ = self.norm(out, cross_residual)
+        # Rows without logits keep self-decoder values; the sampler never reads them.
+        result = hidden_states.clone()
+        result[rows[:count]] = out[:count]
+        return result
+
+
+class HySparse2ForCausalLM(nn.Module):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        if not isinstance(config, HySparse2Config):
+            raise ValueError(
+                f"HySparse2ForCausalLM needs a 'hysparse2' config (got model_type {config.model_type!r})")
+        self.config = config
+        self.model = HySparse2Model(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
+        if config.tie_word_embeddings:
+            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+        log_kv_report(config, vllm_config)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_input_ids(input_ids)
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None) -> torch.Tensor:
+        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Strict loading: an unknown, missing or mis-shaped tensor is a one-line error naming it."""
+        return load_checked(self, self.config, STACKS, weights)
