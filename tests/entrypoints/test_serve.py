@@ -41,10 +41,9 @@ def ckpt(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("serve") / "tiny", "hysparse", "tiny", seed=21)
 
 
-@pytest.fixture(scope="module")
-def server(ckpt, tmp_path_factory):
+def _serve(ckpt, log: Path):
+    """Start `vllm serve` as a user would; yields (base_url, log path) while it runs."""
     port = _free_port()
-    log = tmp_path_factory.mktemp("serve-log") / "serve.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([VLLM, "serve", str(ckpt), "--dtype", "float32", "--port", str(port),
                                  "--max-model-len", "1024"], stdout=out, stderr=subprocess.STDOUT, env=_env())
@@ -60,6 +59,11 @@ def server(ckpt, tmp_path_factory):
         proc.wait(60)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(ckpt, tmp_path_factory):
+    yield from _serve(ckpt, tmp_path_factory.mktemp("serve-log") / "serve.log")
 
 
 @pytest.fixture(scope="module")
@@ -178,3 +182,30 @@ def test_bad_checkpoint_fails_at_load_with_one_line_reason(ckpt, tmp_path, how, 
                             capture_output=True, text=True, timeout=300, env=_env())
     assert result.returncode != 0
     assert message in result.stdout + result.stderr
+
+
+@pytest.fixture(scope="module")
+def hysparse2_server(tmp_path_factory):
+    ckpt = write_checkpoint(tmp_path_factory.mktemp("serve2") / "tiny", "hysparse2", "tiny", seed=22)
+    yield from _serve(ckpt, tmp_path_factory.mktemp("serve2-log") / "serve.log")
+
+
+def test_hysparse2_serves_with_early_exit(hysparse2_server):
+    base_url, log = hysparse2_server
+    client = openai.OpenAI(base_url=base_url, api_key="unused")
+    model = client.models.list().data[0].id
+    reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Sort a list."}],
+                                           max_tokens=8, temperature=0)
+    assert reply.usage.completion_tokens == 8
+    # Early exit is on without any flag, so prompt logprobs are refused with a clear reason.
+    with pytest.raises(openai.BadRequestError, match="prompt logprobs"):
+        client.completions.create(model=model, prompt="import os", max_tokens=1, extra_body={"prompt_logprobs": 1})
+    text = log.read_text()
+    assert "prefill early exit on" in text
+    assert re.search(r"HySparse KV cache: \d+ bytes/token in 3 full-length caches", text)
+    long_prompt = random_prompts([300], 8192, seed=23)[0]
+    client.completions.create(model=model, prompt=long_prompt, max_tokens=2)
+    time.sleep(0.6)
+    lines = dict(line.split(" ") for line in hysparse_metrics(base_url))
+    # Token selection: recent 16 + top 16 tokens spread over many pages.
+    assert float(lines["vllm:hysparse_pages_per_query"]) >= 1
