@@ -9,13 +9,17 @@ sharing binds it to the full layer's), reads that buffer and attends, with its
 sink, over the selected blocks (SPEC §3.2). The SWA branch is a plain windowed
 vLLM `Attention` with sinks and needs nothing from us.
 
-The cache is vLLM's logical page view `[blocks, G, page, D_k + D_v]`, read and
-written with PyTorch only (vLLM's CPU kernel packs its own layer caches in a
-private format, so those cannot be shared). The per-request math is the
-reference (`vllm_hysparse.reference.ops`) over keys gathered from the pages;
-it runs inside vLLM's opaque attention op, so `torch.compile` never traces its
-data-dependent loops.
+The cache is vLLM's logical page view `[blocks, G, page, D_k + D_v]` (vLLM's
+CPU kernel packs its own layer caches in a private format, so those cannot be
+shared). Two kernel paths, chosen by device or by `VLLM_HYSPARSE_KERNELS`:
+`triton` (the `csrc_triton` kernels, CUDA's default; on CPU they need
+`TRITON_INTERPRET=1`) and `torch` (the reference math of
+`vllm_hysparse.reference.ops` per request over keys gathered from the pages,
+the CPU default). Both run inside vLLM's opaque attention op, so
+`torch.compile` never traces their data-dependent loops.
 """
+
+import os
 
 from dataclasses import dataclass
 from typing import ClassVar
@@ -30,11 +34,20 @@ from vllm.v1.attention.backend import (
     MultipleOf,
 )
 
-from vllm_hysparse.attention.paged import gather_request_kv, iter_chunks, iter_requests, split_kv_cache, write_kv
+from vllm_hysparse.attention.paged import (
+    gather_request_kv,
+    iter_chunks,
+    iter_requests,
+    row_positions,
+    split_kv_cache,
+    write_kv,
+)
 from vllm_hysparse.metrics import pages_touched, worker_stats
 from vllm_hysparse.reference import ops
 
 BACKEND_NAME = "HYSPARSE"
+KERNELS_ENV = "VLLM_HYSPARSE_KERNELS"
+KERNEL_PATHS = ("triton", "torch")
 ROLES = ("oracle", "block_sparse", "kv_owner", "token_oracle", "token_sparse")
 
 
@@ -73,6 +86,8 @@ class HySparseMetadata:
     """What the PyTorch path needs of one step; host tensors where it loops over requests."""
 
     num_actual_tokens: int
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32, on the device
+    seq_lens: torch.Tensor  # [num_reqs] int32, on the device
     query_start_loc_cpu: torch.Tensor  # [num_reqs + 1]
     seq_lens_cpu: torch.Tensor  # [num_reqs]
     block_table: torch.Tensor  # [num_reqs, max_pages]
@@ -88,11 +103,23 @@ class HySparseMetadataBuilder(AttentionMetadataBuilder[HySparseMetadata]):
         m = common_attn_metadata
         return HySparseMetadata(
             num_actual_tokens=m.num_actual_tokens,
+            query_start_loc=m.query_start_loc,
+            seq_lens=m.seq_lens,
             query_start_loc_cpu=m.query_start_loc_cpu,
             seq_lens_cpu=m.seq_lens.cpu(),
             block_table=m.block_table_tensor,
             slot_mapping=m.slot_mapping,
         )
+
+
+def kernel_path(device: torch.device) -> str:
+    """`triton` or `torch`: `VLLM_HYSPARSE_KERNELS` if set, else Triton on CUDA and PyTorch elsewhere."""
+    choice = os.environ.get(KERNELS_ENV)
+    if choice is None:
+        return "triton" if device.type == "cuda" else "torch"
+    if choice not in KERNEL_PATHS:
+        raise ValueError(f"{KERNELS_ENV}: must be one of {list(KERNEL_PATHS)} (got {choice!r})")
+    return choice
 
 
 @dataclass(frozen=True)
@@ -149,6 +176,7 @@ class HySparseAttentionImpl(AttentionImpl):
         self.index_buffer = index_buffer
         self.selection = selection
         self.sinks = sinks
+        self.kernels: str | None = None  # resolved on the first call, when the device is known
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         """key, value `[T, G, D]` -> the layer's pages at `slot_mapping`."""
@@ -166,6 +194,12 @@ class HySparseAttentionImpl(AttentionImpl):
             raise RuntimeError("a HySparse2 bridged cache is written by the bridge op and never attended directly")
         key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
         meta = attn_metadata
+        if self.kernels is None:
+            # No Triton kernel selects tokens yet: the token oracle always takes the PyTorch path.
+            self.kernels = "torch" if self.role == "token_oracle" else kernel_path(query.device)
+        if self.kernels == "triton":
+            self._forward_triton(query, key_cache, value_cache, meta, output)
+            return output
         for rows in iter_requests(meta.query_start_loc_cpu, meta.seq_lens_cpu, meta.num_actual_tokens):
             keys = gather_request_kv(key_cache, meta.block_table[rows.index], rows.seq_len)
             values = gather_request_kv(value_cache, meta.block_table[rows.index], rows.seq_len)
@@ -193,6 +227,30 @@ class HySparseAttentionImpl(AttentionImpl):
         if self.role == "block_sparse":
             return ops.block_sparse_attention(q, k, v, ids, sel.block_size, self.scale, self.sinks)
         return ops.token_sparse_attention(q, k, v, ids, self.scale, self.sinks)
+
+    def _forward_triton(self, query, key_cache, value_cache, meta: HySparseMetadata, output) -> None:
+        """The whole batch in one launch of a `csrc_triton` kernel."""
+        n = meta.num_actual_tokens
+        batch = (query[:n], key_cache, value_cache, meta.block_table, meta.query_start_loc, meta.seq_lens)
+        sel, buf = self.selection, self.index_buffer
+        if self.role == "oracle":
+            from csrc_triton.oracle import oracle_attention
+
+            _, ids = oracle_attention(*batch, scale=self.scale, sparse_block_size=sel.block_size, topk=sel.topk,
+                                      out=output[:n])
+            buf[:n].copy_(ids)
+            positions = row_positions(meta.query_start_loc_cpu, meta.seq_lens_cpu, n)
+            worker_stats().add(pages_touched(ids.cpu(), positions, sel.block_size, key_cache.shape[2]), positions,
+                               key_cache.shape[2])
+        elif self.role == "block_sparse":
+            from csrc_triton.block_sparse import block_sparse_attention
+
+            block_sparse_attention(*batch, buf[:n], scale=self.scale, sparse_block_size=sel.block_size,
+                                   sinks=self.sinks, out=output[:n])
+        else:
+            from csrc_triton.token_sparse import token_sparse_attention
+
+            token_sparse_attention(*batch, buf[:n], scale=self.scale, sinks=self.sinks, out=output[:n])
 
     @staticmethod
     def _positions(num_rows: int, num_keys: int) -> torch.Tensor:

@@ -36,6 +36,14 @@ def iter_requests(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_tok
             yield RequestRows(r, start, end, seq_len)
 
 
+def row_positions(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Absolute position `[num_tokens]` of every query row (host tensors in, host tensor out)."""
+    out = torch.empty(num_tokens, dtype=torch.long)
+    for rows in iter_requests(query_start_loc, seq_lens, num_tokens):
+        out[rows.start:rows.end] = torch.arange(rows.seq_len - (rows.end - rows.start), rows.seq_len)
+    return out
+
+
 def iter_chunks(rows: RequestRows) -> Iterator[tuple[int, int, int]]:
     """(row start, row end, number of keys visible to the chunk) for each query chunk."""
     first_pos = rows.seq_len - (rows.end - rows.start)
