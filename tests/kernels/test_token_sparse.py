@@ -55,7 +55,7 @@ def make_inputs(case: Case, dtype, seed=0):
 
 
 def random_tokens(batch, num_kv_heads, window, topk, seed=0):
-    """`[T, G, window + topk]` int32: per row and group `S_t = window ∪ random earlier positions`, ascending, -1 padded.
+    """`[T, G, window + topk]` int32: per row and group, window ∪ random earlier positions; ascending, -1 padded.
 
     A fifth of the rows instead take a random subset of all positions of the sequence, window not forced:
     positions after the query break the interface's promise, and the kernel must still ignore them.

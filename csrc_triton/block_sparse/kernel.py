@@ -1,0 +1,290 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Triton block-sparse paged attention: the global branch of a HySparse sparse layer (SPEC §3.2).
+
+One program per (query token, KV group); the group's query heads are the rows
+of the tile, so each gathered K/V tile is loaded once for all of them. The
+program walks the token's selected blocks and gathers each block's keys
+through the block table (a block may span several pages or share one).
+
+`find_request`, `attend_paged_tile`, `check_paged_args` and `launch_config` are
+shared with the token-sparse kernel.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def find_request(query_start_loc, num_reqs, i_t):
+    """The request whose query rows hold row i_t: the first r with query_start_loc[r + 1] > i_t.
+
+    Rows past the last request (padding) get num_reqs.
+    """
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_reqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(query_start_loc + mid + 1) <= i_t:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+@triton.jit
+def attend_paged_tile(
+    b_q, b_m, b_l, b_acc,
+    o_p, m_n,
+    p_bt, p_k, p_v,
+    stride_k_p, stride_k_s, stride_k_d,
+    stride_v_p, stride_v_s, stride_v_d,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """One online-softmax step (base-2 logits) over the keys at positions o_p where m_n holds.
+
+    p_bt is the request's block-table row, p_k/p_v the group's K/V base pointers.
+    Masked keys are never read: unwritten cache slots may hold NaN, and 0 * NaN
+    would poison the accumulator.
+    """
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < HEAD_DIM
+    # [BLOCK_N] physical page and slot of every key
+    i_pg = tl.load(p_bt + o_p // PAGE_SIZE, mask=m_n, other=0).to(tl.int64)
+    o_slot = (o_p % PAGE_SIZE).to(tl.int64)
+    # [BLOCK_D, BLOCK_N]
+    b_kt = tl.load(p_k + i_pg[None, :] * stride_k_p + o_slot[None, :] * stride_k_s + o_d[:, None] * stride_k_d,
+                   mask=m_d[:, None] & m_n[None, :], other=0.0)
+    # [BLOCK_N, BLOCK_D]
+    b_v = tl.load(p_v + i_pg[:, None] * stride_v_p + o_slot[:, None] * stride_v_s + o_d[None, :] * stride_v_d,
+                  mask=m_n[:, None] & m_d[None, :], other=0.0)
+    if DOT_FP32:
+        b_kt = b_kt.to(tl.float32)
+        b_v = b_v.to(tl.float32)
+    else:
+        b_kt = b_kt.to(b_q.dtype)
+        b_v = b_v.to(b_q.dtype)
+    # [BLOCK_H, BLOCK_N]
+    b_s = tl.dot(b_q, b_kt, input_precision="ieee") * qk_scale
+    b_s = tl.where(m_n[None, :], b_s, float("-inf"))
+    b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
+    # a row with no key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN
+    b_shift = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+    b_p = tl.exp2(b_s - b_shift[:, None])
+    b_alpha = tl.exp2(b_m - b_shift)
+    b_l = b_l * b_alpha + tl.sum(b_p, 1)
+    b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision="ieee")
+    return b_m_new, b_l, b_acc
+
+
+@triton.jit
+def block_sparse_attn_fwd_kernel(
+    q,  # [T, H, D]
+    k_cache,  # [num_pages, G, page_size, D]
+    v_cache,  # [num_pages, G, page_size, D]
+    out,  # [T, H, D]
+    sinks,  # [H] float32, read only when USE_SINKS
+    block_table,  # [R, max_pages] int32
+    query_start_loc,  # [R + 1] int32
+    seq_lens,  # [R] int32
+    block_indices,  # [T, G, K] int32, -1 padded
+    qk_scale,  # scale * log2(e)
+    num_reqs,
+    num_selected,
+    stride_q_t, stride_q_h, stride_q_d,
+    stride_k_p, stride_k_g, stride_k_s, stride_k_d,
+    stride_v_p, stride_v_g, stride_v_s, stride_v_d,
+    stride_o_t, stride_o_h, stride_o_d,
+    stride_bt_r,
+    stride_bi_t, stride_bi_g, stride_bi_k,
+    HEADS_PER_GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    USE_SINKS: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    i_t = tl.program_id(0).to(tl.int64)
+    i_g = tl.program_id(1).to(tl.int64)
+    o_h = tl.arange(0, BLOCK_H)
+    o_d = tl.arange(0, BLOCK_D)
+    i_h = i_g * HEADS_PER_GROUP + o_h
+    m_hd = (o_h < HEADS_PER_GROUP)[:, None] & (o_d < HEAD_DIM)[None, :]
+    p_o = out + i_t * stride_o_t + i_h[:, None] * stride_o_h + o_d[None, :] * stride_o_d
+
+    i_r = find_request(query_start_loc, num_reqs, i_t.to(tl.int32))
+    if i_r >= num_reqs:
+        # a padding row past the last request: write zeros, never leave stale memory
+        tl.store(p_o, tl.zeros([BLOCK_H, BLOCK_D], tl.float32).to(out.dtype.element_ty), mask=m_hd)
+        return
+    bos = tl.load(query_start_loc + i_r)
+    eos = tl.load(query_start_loc + i_r + 1)
+    seq_len = tl.load(seq_lens + i_r)
+    # queries are the last (eos - bos) positions of the request; pos < seq_len
+    pos = seq_len - (eos - bos) + (i_t.to(tl.int32) - bos)
+
+    # [BLOCK_H, BLOCK_D]
+    b_q = tl.load(q + i_t * stride_q_t + i_h[:, None] * stride_q_h + o_d[None, :] * stride_q_d, mask=m_hd, other=0.0)
+    if DOT_FP32:
+        b_q = b_q.to(tl.float32)
+    if USE_SINKS:
+        # the sink is a logit with no value: it starts the running max with weight exp(0) = 1
+        b_m = tl.load(sinks + i_h, mask=o_h < HEADS_PER_GROUP, other=0.0).to(tl.float32) * LOG2E
+        b_l = tl.full([BLOCK_H], 1.0, tl.float32)
+    else:
+        b_m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        b_l = tl.zeros([BLOCK_H], tl.float32)
+    b_acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+
+    p_bt = block_table + i_r.to(tl.int64) * stride_bt_r
+    p_k = k_cache + i_g * stride_k_g
+    p_v = v_cache + i_g * stride_v_g
+    p_bi = block_indices + i_t * stride_bi_t + i_g * stride_bi_g
+    for i_k in range(num_selected):
+        i_b = tl.load(p_bi + i_k * stride_bi_k)
+        # skip padding and blocks that start after the query
+        if (i_b >= 0) & (i_b * BLOCK_SIZE <= pos):
+            for i_n in range(0, BLOCK_SIZE, BLOCK_N):
+                o_n = i_n + tl.arange(0, BLOCK_N)
+                o_p = i_b * BLOCK_SIZE + o_n
+                m_n = (o_n < BLOCK_SIZE) & (o_p <= pos)
+                b_m, b_l, b_acc = attend_paged_tile(
+                    b_q, b_m, b_l, b_acc, o_p, m_n, p_bt, p_k, p_v,
+                    stride_k_p, stride_k_s, stride_k_d,
+                    stride_v_p, stride_v_s, stride_v_d,
+                    qk_scale,
+                    HEAD_DIM=HEAD_DIM,
+                    PAGE_SIZE=PAGE_SIZE,
+                    BLOCK_D=BLOCK_D,
+                    DOT_FP32=DOT_FP32,
+                )
+    # no key and no sink: l = 0 and the output is 0
+    b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
+    tl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_hd)
+
+
+def check_paged_args(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, sinks, out):
+    """Shape, dtype and device checks shared by the sparse launchers; returns (out, sinks) ready to launch."""
+    assert q.dim() == 3, f"q: expected [T, H, D], got {tuple(q.shape)}"
+    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, \
+        f"k_cache/v_cache: expected equal [num_pages, G, page, D], got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    assert k_cache.shape[3] == head_dim, f"head dim: q has {head_dim}, the cache {k_cache.shape[3]}"
+    assert num_heads % num_kv_heads == 0, f"{num_heads} query heads cannot share {num_kv_heads} KV groups"
+    assert block_table.dim() == 2 and block_table.dtype == torch.int32, "block_table: expected [R, max_pages] int32"
+    num_reqs = seq_lens.shape[0]
+    assert query_start_loc.shape == (num_reqs + 1,) and query_start_loc.dtype == torch.int32, \
+        f"query_start_loc: expected [{num_reqs + 1}] int32"
+    assert seq_lens.dtype == torch.int32, "seq_lens: expected [R] int32"
+    assert block_table.shape[0] >= num_reqs, f"block_table: {block_table.shape[0]} rows for {num_reqs} requests"
+    assert query_start_loc.is_contiguous() and seq_lens.is_contiguous(), "query_start_loc/seq_lens must be contiguous"
+    assert block_table.stride(1) == 1, "block_table rows must be contiguous"
+    if sinks is not None:
+        assert sinks.shape == (num_heads,), f"sinks: expected [{num_heads}], got {tuple(sinks.shape)}"
+        sinks = sinks.to(torch.float32).contiguous()
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    assert out.shape == q.shape and out.dtype == q.dtype, "out: expected q's shape and dtype"
+    tensors = {"k_cache": k_cache, "v_cache": v_cache, "block_table": block_table, "query_start_loc": query_start_loc,
+               "seq_lens": seq_lens, "sinks": sinks, "out": out}
+    for name, x in tensors.items():
+        assert x is None or x.device == q.device, f"{name} is on {x.device}, q on {q.device}"
+    return out, sinks
+
+
+def launch_config(q, head_dim, heads_per_group):
+    """The one fixed config: (BLOCK_H, BLOCK_D, largest BLOCK_N, DOT_FP32, num_warps).
+
+    Chosen from sm_90 AOT builds (ptxas resource usage): a 64-key tile at D <= 128
+    with 8 warps, or 32 keys at D = 256, stays under 255 registers without spills.
+    """
+    # tl.dot needs M >= 16 on GPUs; padded head rows are masked on load and store
+    block_h = max(16, triton.next_power_of_2(heads_per_group))
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_n = 64 if block_d <= 128 else 32
+    num_warps = 8 if block_d >= 128 else 4
+    # the interpreter multiplies bf16 bit patterns in tl.dot, so dot in fp32 there
+    dot_fp32 = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and q.device.type == "cpu")
+    return block_h, block_d, block_n, dot_fp32, num_warps
+
+
+def block_sparse_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, block_indices, *,
+                           scale, sparse_block_size, sinks=None, out=None):
+    """Attention of every query row over the keys of its selected blocks (SPEC §3.2 global branch).
+
+    Args:
+        q (torch.Tensor): `[T, H, D]`, any strides; fp16, bf16 or fp32.
+        k_cache, v_cache (torch.Tensor): `[num_pages, G, page_size, D]`, any strides.
+        block_table (torch.Tensor): `[R, max_pages]` int32; position p of request r is in page
+            `block_table[r, p // page_size]`, slot `p % page_size`.
+        query_start_loc (torch.Tensor): `[R + 1]` int32; request r owns rows
+            `query_start_loc[r]:query_start_loc[r + 1]`, the last of its `seq_lens[r]` positions.
+        seq_lens (torch.Tensor): `[R]` int32.
+        block_indices (torch.Tensor): `[T, G, K]` int32 block ids (positions
+            `[b * sparse_block_size, (b + 1) * sparse_block_size)`), unique, -1 padded.
+        scale (float): logit scale.
+        sparse_block_size (int): positions per block.
+        sinks (torch.Tensor, Optional): `[H]` sink logits (unscaled, no value). Default: `None`.
+        out (torch.Tensor, Optional): `[T, H, D]` in q's dtype; every element is written. Default: `None`.
+
+    Returns:
+        `[T, H, D]` in q's dtype. Keys are the selected positions at or before the query;
+        rows past `query_start_loc[-1]` and rows with neither keys nor sink are 0.
+    """
+    out, sinks = check_paged_args(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, sinks, out)
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    assert block_indices.dim() == 3 and block_indices.shape[:2] == (num_tokens, num_kv_heads), \
+        f"block_indices: expected [{num_tokens}, {num_kv_heads}, K], got {tuple(block_indices.shape)}"
+    assert block_indices.dtype == torch.int32, "block_indices must be int32"
+    assert sparse_block_size > 0, "sparse_block_size must be positive"
+    if num_tokens == 0:
+        return out
+    heads_per_group = num_heads // num_kv_heads
+    block_h, block_d, block_n, dot_fp32, num_warps = launch_config(q, head_dim, heads_per_group)
+    block_n = max(16, min(block_n, triton.next_power_of_2(sparse_block_size)))
+    grid = (num_tokens, num_kv_heads)
+    block_sparse_attn_fwd_kernel[grid](
+        q=q,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        out=out,
+        sinks=sinks if sinks is not None else q,
+        block_table=block_table,
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        block_indices=block_indices,
+        qk_scale=float(scale) * LOG2E.value,
+        num_reqs=seq_lens.shape[0],
+        num_selected=block_indices.shape[2],
+        stride_q_t=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),
+        stride_k_p=k_cache.stride(0), stride_k_g=k_cache.stride(1),
+        stride_k_s=k_cache.stride(2), stride_k_d=k_cache.stride(3),
+        stride_v_p=v_cache.stride(0), stride_v_g=v_cache.stride(1),
+        stride_v_s=v_cache.stride(2), stride_v_d=v_cache.stride(3),
+        stride_o_t=out.stride(0), stride_o_h=out.stride(1), stride_o_d=out.stride(2),
+        stride_bt_r=block_table.stride(0),
+        stride_bi_t=block_indices.stride(0), stride_bi_g=block_indices.stride(1),
+        stride_bi_k=block_indices.stride(2),
+        HEADS_PER_GROUP=heads_per_group,
+        HEAD_DIM=head_dim,
+        PAGE_SIZE=k_cache.shape[2],
+        BLOCK_SIZE=sparse_block_size,
+        USE_SINKS=sinks is not None,
+        DOT_FP32=dot_fp32,
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
+        BLOCK_N=block_n,
+        num_warps=num_warps,
+    )
+    return out
