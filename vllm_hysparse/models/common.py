@@ -10,6 +10,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader, sharded_weight_loader
+from vllm.model_executor.models.qwen2 import Qwen2MLP
 
 from vllm_hysparse.configs.base import HySparseBaseConfig, kv_report
 from vllm_hysparse.configs.tensors import check_complete, check_tensor, expected_tensors, layer_kind
@@ -51,6 +52,31 @@ def qkv_and_out(config: HySparseBaseConfig, prefix: str) -> tuple[QKVParallelLin
 def out_proj(config: HySparseBaseConfig, prefix: str) -> RowParallelLinear:
     return RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size, bias=False,
                              prefix=f"{prefix}.o_proj")
+
+
+class PreNormDecoderLayer(nn.Module):
+    """Pre-norm residual block around any attention module, with vLLM's fused residual adds."""
+
+    def __init__(self, config: HySparseBaseConfig, attn: nn.Module, prefix: str):
+        super().__init__()
+        self.self_attn = attn
+        self.mlp = Qwen2MLP(config.hidden_size, config.intermediate_size, config.hidden_act, prefix=f"{prefix}.mlp")
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, positions, hidden_states, residual):
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        self.on_residual_stream(positions, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+    def on_residual_stream(self, positions: torch.Tensor, residual: torch.Tensor) -> None:
+        """Hook: sees the residual stream entering this layer (HySparse2 bridges read it)."""
 
 
 def maybe_head_norm(config: HySparseBaseConfig) -> RMSNorm | None:

@@ -21,7 +21,6 @@ from vllm.model_executor.layers.linear import MergedColumnParallelLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from vllm.model_executor.models.qwen2 import Qwen2MLP as HySparseMLP
 from vllm.model_executor.models.utils import extract_layer_index, make_layers, maybe_prefix
 from vllm.sequence import IntermediateTensors
 
@@ -31,6 +30,7 @@ from vllm_hysparse.configs.tensors import layer_kind
 from vllm_hysparse.models.common import (
     QKV_STACK,
     HeadSplit,
+    PreNormDecoderLayer,
     apply_gate,
     gate_width,
     head_norm,
@@ -130,31 +130,15 @@ class HySparseSparseAttention(nn.Module):
         return out
 
 
-class HySparseDecoderLayer(nn.Module):
-    def __init__(self, config: HySparseConfig, cache_config, index_buffers: dict[int, torch.Tensor], prefix: str):
-        super().__init__()
-        idx = extract_layer_index(prefix)
-        if layer_kind(config, idx) == "full":
-            self.self_attn = HySparseFullAttention(config, cache_config, index_buffers.get(idx),
-                                                   f"{prefix}.self_attn")
-        else:
-            oracle = config.oracle_layer[idx]
-            self.self_attn = HySparseSparseAttention(config, cache_config, index_buffers[oracle], oracle,
-                                                     f"{prefix}.self_attn")
-        self.mlp = HySparseMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
-                               prefix=f"{prefix}.mlp")
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def forward(self, positions, hidden_states, residual):
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+def make_decoder_layer(config: HySparseConfig, cache_config, index_buffers: dict[int, torch.Tensor],
+                       prefix: str) -> PreNormDecoderLayer:
+    idx = extract_layer_index(prefix)
+    if layer_kind(config, idx) == "full":
+        attn = HySparseFullAttention(config, cache_config, index_buffers.get(idx), f"{prefix}.self_attn")
+    else:
+        oracle = config.oracle_layer[idx]
+        attn = HySparseSparseAttention(config, cache_config, index_buffers[oracle], oracle, f"{prefix}.self_attn")
+    return PreNormDecoderLayer(config, attn, prefix)
 
 
 @support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": -1, "intermediate_tensors": 0,
@@ -175,7 +159,7 @@ class HySparseModel(nn.Module):
                                                    prefix=f"{prefix}.embed_tokens")
         self.start_layer, self.end_layer, self.layers = make_layers(
             config.num_hidden_layers,
-            lambda prefix: HySparseDecoderLayer(config, vllm_config.cache_config, self.index_buffers, prefix),
+            lambda prefix: make_decoder_layer(config, vllm_config.cache_config, self.index_buffers, prefix),
             prefix=f"{prefix}.layers")
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 

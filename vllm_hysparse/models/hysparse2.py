@@ -30,7 +30,6 @@ from vllm.model_executor.layers.linear import ColumnParallelLinear, MergedColumn
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from vllm.model_executor.models.qwen2 import Qwen2MLP as HySparse2MLP
 from vllm.model_executor.models.utils import maybe_prefix
 from vllm.v1.attention.backends.utils import KVSharingFastPrefillMetadata
 
@@ -41,6 +40,7 @@ from vllm_hysparse.configs.tensors import layer_kind
 from vllm_hysparse.models.common import (
     QKV_STACK,
     HeadSplit,
+    PreNormDecoderLayer,
     apply_gate,
     gate_width,
     head_norm,
@@ -189,28 +189,15 @@ class HySparse2CrossAttention(nn.Module):
         return out
 
 
-class HySparse2DecoderLayer(nn.Module):
+class HySparse2DecoderLayer(PreNormDecoderLayer):
     def __init__(self, config: HySparse2Config, attn: nn.Module, bridges: list[HySparse2Bridge], prefix: str):
-        super().__init__()
-        self.self_attn = attn
-        # Bridges whose source is this layer: they read the residual stream entering it.
+        super().__init__(config, attn, prefix)
+        # Bridges whose source is this layer; a plain list: they are registered under `model.bridges`.
         self.bridges = bridges
-        self.mlp = HySparse2MLP(config.hidden_size, config.intermediate_size, config.hidden_act,
-                                prefix=f"{prefix}.mlp")
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, positions, hidden_states, residual):
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+    def on_residual_stream(self, positions: torch.Tensor, residual: torch.Tensor) -> None:
         for bridge in self.bridges:
             bridge(positions, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
 
 
 def _run_layers(layers, positions, hidden_states, residual):
