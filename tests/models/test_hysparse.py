@@ -141,3 +141,13 @@ def test_preemption_matches_reference(ckpt, reference):
         shutdown(llm)
     assert preempted > 0, "the small KV cache should have forced preemption"
     check_logprobs_close(reference_greedy(reference, prompts, 100), got)
+
+
+def test_tensor_parallel_matches_reference(ckpt, reference, prompts, expected):
+    # Two ranks: each owns 2 of the 4 heads and 1 of the 2 KV groups.
+    llm = make_llm(ckpt, enforce_eager=True, block_size=32, max_model_len=512, tensor_parallel_size=2)
+    try:
+        got = vllm_greedy(llm, prompts[:8], MAX_TOKENS)
+    finally:
+        shutdown(llm)
+    check_logprobs_close(expected[:8], got)
