@@ -239,8 +239,9 @@ class HySparseAttentionImpl(AttentionImpl):
             _, ids = oracle_attention(*batch, scale=self.scale, sparse_block_size=sel.block_size, topk=sel.topk,
                                       out=output[:n])
             buf[:n].copy_(ids)
-            positions = row_positions(meta.query_start_loc_cpu, meta.seq_lens_cpu, n)
-            worker_stats().add(pages_touched(ids.cpu(), positions, sel.block_size, key_cache.shape[2]), positions,
+            # Pages per query on the device; only the sums cross to the host.
+            positions = row_positions(meta.query_start_loc_cpu, meta.seq_lens_cpu, n).to(ids.device)
+            worker_stats().add(pages_touched(ids, positions, sel.block_size, key_cache.shape[2]), positions,
                                key_cache.shape[2])
         elif self.role == "block_sparse":
             from csrc_triton.block_sparse import block_sparse_attention
