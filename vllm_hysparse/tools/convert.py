@@ -152,9 +152,6 @@ class Conversion:
     warnings: list[str] = field(default_factory=list)
 
 
-# ---------------------------------------------------------------- source
-
-
 def load_source_config(src: Path) -> tuple[str, object]:
     """(model_type, transformers config) of a supported dense checkpoint."""
     path = src / "config.json"
@@ -238,9 +235,6 @@ def _header(f, name: str) -> tuple[tuple[int, ...], torch.dtype]:
     if dtype not in SAFETENSORS_DTYPES:
         raise ValueError(f"source tensor {name} has dtype {dtype}; only float tensors convert")
     return tuple(sl.get_shape()), SAFETENSORS_DTYPES[dtype]
-
-
-# ---------------------------------------------------------------- plan
 
 
 def default_hysparse_full_layers(num_layers: int, period: int | None = None) -> list[int]:
@@ -409,6 +403,9 @@ def plan_conversion(src: str | Path, arch: str, opts: PlanOptions | None = None)
     config.dtype = cfg.dtype
     shards = read_headers(src)
     headers = {name: h for per_file in shards.values() for name, h in per_file.items()}
+    if len(headers) != sum(map(len, shards.values())):
+        twice = sorted({n for a in shards for b in shards if a < b for n in set(shards[a]) & set(shards[b])})
+        raise ValueError(f"{src}: tensor(s) stored in more than one shard: {', '.join(twice[:5])}")
     check_source(src, model_type, dense, headers)
     routes, inits = route(config, headers)
     conv = Conversion(src, model_type, config, dense, {f: list(h) for f, h in shards.items()}, headers,
@@ -418,9 +415,6 @@ def plan_conversion(src: str | Path, arch: str, opts: PlanOptions | None = None)
             f"rope_scaling {config.rope_parameters['rope_type']!r} does not reach the sliding layers: they "
             "use plain RoPE with swa_rope_theta (reference and vLLM), so they cannot match the teacher exactly")
     return conv
-
-
-# ---------------------------------------------------------------- report
 
 
 def _layer_line(config: HySparseBaseConfig, idx: int) -> str:
@@ -436,7 +430,7 @@ def _layer_line(config: HySparseBaseConfig, idx: int) -> str:
         what = f"reads layer {config.oracle_layer[idx]}'s cache; k/v dropped; +gate, +sink; o x2"
     else:
         what = "kept (q/k/v/o)"
-    return f"  {idx:>4}  {kind:<12}  {what}"
+    return f"  {idx:>5}  {kind:<12}  {what}"
 
 
 def _sum_params(shapes) -> int:
@@ -459,7 +453,7 @@ def describe(conv: Conversion) -> str:
         f"{cfg.num_attention_heads} heads / {cfg.num_key_value_heads} KV heads x {cfg.head_dim}, "
         f"rope {cfg.rope_parameters['rope_type']} theta={cfg.rope_theta:g})",
         f"target: {cfg.model_type}: {opts}, swa_window {cfg.swa_window}, gates {cfg.gate_type}, sinks {SINK_INIT:g}",
-        "  layer type          conversion",
+        "  layer  type          conversion",
         *(_layer_line(cfg, i) for i in range(cfg.num_hidden_layers)),
         f"parameters: {before:,} -> {after:,} ({(after - before) / before:+.1%})",
         f"KV cache ({str(dtype).removeprefix('torch.')}) at {ctx:,} tokens: {kv['dense_bytes_per_token']:,.0f} "
@@ -467,9 +461,6 @@ def describe(conv: Conversion) -> str:
         f"{kv['window_caches']} window caches; {kv['dense_bytes_per_token'] / kv['bytes_per_token']:.1f}x less)",
     ]
     return "\n".join(lines)
-
-
-# ---------------------------------------------------------------- write
 
 
 class ShardWriter:
@@ -644,9 +635,6 @@ def check_written(config: HySparseBaseConfig, out: Path) -> None:
                 check_tensor(expected, name, tuple(f.get_slice(name).get_shape()))
                 seen.add(name)
     check_complete(expected, seen)
-
-
-# ---------------------------------------------------------------- CLI
 
 
 def _layer_list(text: str) -> list[int]:

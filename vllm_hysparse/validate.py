@@ -1,0 +1,327 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Validate a converted HySparse / HySparse2 student against its dense teacher, switch by switch (SPEC §5).
+
+    python -m vllm_hysparse.validate --teacher teacher/ --student student/ --text heldout.txt --out report/
+
+Both models run as plain PyTorch references on the same token windows. The
+student's architecture switches are enabled one at a time in SPEC §5's order,
+so the report says at which switch, and at which layer, the error jumps.
+Metrics per layer: hidden-state cosine and max-abs error against the teacher
+after that layer; for sparse layers the oracle coverage `M_l` (probability
+mass that the layer's own dense attention puts on the selected keys), its
+complement `ε_l`, and the recall of the used selection against the layer's own
+dense top-k. Final logits: KL(teacher ‖ student), top-1 agreement, perplexity.
+"""
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import vllm_hysparse  # noqa: F401  (registers our configs and models)
+from vllm_hysparse.reference import ops
+from vllm_hysparse.reference.modeling_hysparse import HySparseSparseAttention
+from vllm_hysparse.reference.modeling_hysparse2 import CrossSparseAttention
+
+# SPEC §5: switches enabled one at a time, cumulatively, starting from the dense student.
+STAGES = {
+    "hysparse": [
+        ("dense", {"sparse_selection": False, "kv_sharing": False, "swa_branch": False}),
+        ("oracle indices (own KV)", {"sparse_selection": True}),
+        ("KV sharing", {"kv_sharing": True}),
+        ("SWA branch", {"swa_branch": True}),
+    ],
+    "hysparse2": [
+        ("dense", {"token_selection": False, "forced_window": False, "bridge": False, "early_exit": False}),
+        ("token selection", {"token_selection": True}),
+        ("forced window", {"forced_window": True}),
+        ("bridge", {"bridge": True}),
+        ("early exit", {"early_exit": True}),
+    ],
+}
+
+
+@dataclass
+class LayerStats:
+    """Sums over evaluated tokens for one student layer."""
+
+    cos: float = 0.0
+    max_err: float = 0.0
+    coverage: float = 0.0
+    recall: float = 0.0
+    tokens: int = 0
+    sparse_rows: int = 0
+
+    def row(self) -> dict:
+        out = {"cosine": self.cos / max(self.tokens, 1), "max_abs_err": self.max_err}
+        if self.sparse_rows:
+            m = self.coverage / self.sparse_rows
+            out.update(coverage=m, epsilon=1 - m, recall=self.recall / self.sparse_rows)
+        return out
+
+
+@dataclass
+class StageResult:
+    name: str
+    switches: dict
+    layers: dict[int, LayerStats] = field(default_factory=dict)
+    kl: float = 0.0
+    top1: float = 0.0
+    nll: float = 0.0
+    nll_tokens: int = 0
+    tokens: int = 0
+
+    def summary(self) -> dict:
+        n = max(self.tokens, 1)
+        # Early exit yields only the last row's logits: no next token to score there.
+        ppl = float(torch.exp(torch.tensor(self.nll / self.nll_tokens))) if self.nll_tokens else None
+        return {"stage": self.name, "switches": self.switches, "kl": self.kl / n, "top1": self.top1 / n,
+                "perplexity": ppl,
+                "layers": {i: s.row() for i, s in sorted(self.layers.items())}}
+
+
+def token_windows(tokenizer, text: str, seq_len: int, max_windows: int) -> list[torch.Tensor]:
+    """Non-overlapping `[1, seq_len]` windows of the tokenized text."""
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    n = min(len(ids) // seq_len, max_windows)
+    if n == 0:
+        raise ValueError(f"the text has {len(ids)} tokens, fewer than one window of --seq-len {seq_len}")
+    return [torch.tensor([ids[i * seq_len:(i + 1) * seq_len]]) for i in range(n)]
+
+
+def _coverage(p: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
+    """Mass `[B, H, T]` that probabilities p `[B, H, T, Tk]` put on the selected keys (bool, same shape)."""
+    return (p * selected).sum(-1)
+
+
+def _recall(used: torch.Tensor, own: torch.Tensor, size: int) -> torch.Tensor:
+    """Share `[B, T, G]` of `own` ids (-1 padded) also in `used` ids."""
+    used_mask, own_mask = ops.ids_to_mask(used, size), ops.ids_to_mask(own, size)
+    return (used_mask & own_mask).sum(-1) / own_mask.sum(-1).clamp_min(1)
+
+
+def hysparse_layer_probe(attn: HySparseSparseAttention, args, stats: LayerStats) -> None:
+    """Coverage and recall of one HySparse sparse layer, from its forward's inputs."""
+    x, positions, rope, _cache, shared, switches = args
+    if not switches.sparse_selection:
+        return
+    cfg, d = attn.config, attn.config.head_dim
+    q = attn.q_proj(x).view(*x.shape[:2], -1, d)
+    k = attn.swa_k_proj(x).view(*x.shape[:2], -1, d)
+    if cfg.qk_norm:
+        q, k = attn.q_norm(q), attn.swa_k_norm(k)
+    q, k = rope(q, positions), rope(k, positions)
+    own = ops.oracle_block_topk(q, k, attn.scale, cfg.sparse_block_size, cfg.sparse_topk_blocks)
+    used = shared["block_ids"] if switches.kv_sharing else own
+    nb = -(-k.shape[1] // cfg.sparse_block_size)
+    keys = ops.ids_to_mask(used, nb).repeat_interleave(cfg.sparse_block_size, -1)[..., :k.shape[1]]
+    keys = keys.repeat_interleave(q.shape[2] // k.shape[2], dim=2).permute(0, 2, 1, 3)
+    p = ops.sink_softmax(ops.attention_logits(q, k, attn.scale), None)
+    stats.coverage += float(_coverage(p, keys).mean(dim=1).sum())
+    stats.recall += float(_recall(used, own, nb).mean(dim=-1).sum())
+    stats.sparse_rows += q.shape[0] * q.shape[1]
+
+
+def hysparse2_layer_probe(attn: CrossSparseAttention, args, stats: LayerStats) -> None:
+    """Coverage and recall of one HySparse2 cross sparse layer over its cross full layer's cache."""
+    x, positions, ctx = args
+    if not ctx.switches.token_selection:
+        return
+    cfg = attn.config
+    q = ctx.rope(attn.query(x), positions)
+    k, used = ctx.shared["k"], ctx.shared["token_ids"]
+    own = ops.token_topk(q, k, attn.scale, cfg.sparse_topk_tokens, cfg.recent_window, cfg.score_head_reduce,
+                         positions=positions)
+    keys = ops.ids_to_mask(used, k.shape[1]).repeat_interleave(q.shape[2] // k.shape[2], dim=2).permute(0, 2, 1, 3)
+    p = ops.sink_softmax(ops.attention_logits(q, k, attn.scale, positions), None)
+    stats.coverage += float(_coverage(p, keys).mean(dim=1).sum())
+    stats.recall += float(_recall(used, own, k.shape[1]).mean(dim=-1).sum())
+    stats.sparse_rows += q.shape[0] * q.shape[1]
+
+
+def _install_probes(student, result: StageResult) -> list:
+    handles = []
+    for i, layer in enumerate(student.model.layers):
+        attn = layer.self_attn
+        probe = {HySparseSparseAttention: hysparse_layer_probe, CrossSparseAttention: hysparse2_layer_probe}.get(
+            type(attn))
+        if probe is not None:
+            stats = result.layers.setdefault(i, LayerStats())
+            handles.append(attn.register_forward_pre_hook(lambda m, a, p=probe, s=stats: p(m, a, s)))
+    return handles
+
+
+@torch.no_grad()
+def evaluate_stage(teacher_runs, student, windows, name: str, switches: dict) -> StageResult:
+    """Student with `switches` against cached teacher outputs on every window."""
+    student.set_switches(**switches)
+    result = StageResult(name, dict(vars(student.switches)))
+    handles = _install_probes(student, result)
+    try:
+        for ids, (t_logits, t_hidden) in zip(windows, teacher_runs):
+            # Early exit only changes which rows the cross-decoder runs on: ask for the last row then.
+            keep = 1 if student.switches.early_exit and student.config.model_type == "hysparse2" else 0
+            out = student(ids, use_cache=False, output_hidden_states=not keep, logits_to_keep=keep)
+            _accumulate(result, out, t_logits[:, -out.logits.shape[1]:], t_hidden, ids)
+    finally:
+        for h in handles:
+            h.remove()
+    return result
+
+
+def _accumulate(result: StageResult, out, t_logits, t_hidden, ids) -> None:
+    s_logp = torch.log_softmax(out.logits.double(), -1)
+    t_logp = torch.log_softmax(t_logits.double(), -1)
+    rows = out.logits.shape[1]
+    result.kl += float((t_logp.exp() * (t_logp - s_logp)).sum(-1).sum())
+    result.top1 += int((s_logp.argmax(-1) == t_logp.argmax(-1)).sum())
+    targets = ids[:, -rows:][:, 1:]
+    result.nll -= float(s_logp[:, :-1].gather(-1, targets.unsqueeze(-1)).sum())
+    result.nll_tokens += targets.numel()
+    result.tokens += rows
+    if out.hidden_states is None:
+        return
+    for i, (s_h, t_h) in enumerate(zip(out.hidden_states[1:], t_hidden[1:])):
+        stats = result.layers.setdefault(i, LayerStats())
+        stats.cos += float(torch.nn.functional.cosine_similarity(s_h.double(), t_h.double(), dim=-1).sum())
+        stats.max_err = max(stats.max_err, float((s_h - t_h).abs().max()))
+        stats.tokens += s_h.shape[0] * s_h.shape[1]
+
+
+def find_jumps(summaries: list[dict]) -> list[dict]:
+    """Per stage: the KL change from the previous stage and the layer whose cosine drops most."""
+    jumps = []
+    for prev, cur in zip(summaries, summaries[1:]):
+        drops = {i: prev["layers"][i]["cosine"] - cur["layers"][i]["cosine"]
+                 for i in cur["layers"] if i in prev["layers"] and "cosine" in cur["layers"][i]}
+        layer = max(drops, key=drops.get) if drops else None
+        jumps.append({"stage": cur["stage"], "kl_change": cur["kl"] - prev["kl"], "worst_layer": layer,
+                      "cosine_drop": drops.get(layer, 0.0) if layer is not None else 0.0})
+    return jumps
+
+
+def coverage_by_position(config, layers: dict) -> dict[int, float]:
+    """Mean coverage M_l of sparse layers grouped by their distance r from the oracle layer."""
+    groups: dict[int, list[float]] = {}
+    for i, row in layers.items():
+        if "coverage" in row:
+            groups.setdefault(int(i) - config.oracle_layer[int(i)], []).append(row["coverage"])
+    return {r: sum(v) / len(v) for r, v in sorted(groups.items())}
+
+
+def validate(teacher_dir: str, student_dir: str, text: str, seq_len: int = 256, max_windows: int = 4) -> dict:
+    tokenizer = AutoTokenizer.from_pretrained(student_dir)
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).eval()
+    student = AutoModelForCausalLM.from_pretrained(student_dir, dtype=torch.float32).eval()
+    arch = student.config.model_type
+    if arch not in STAGES:
+        raise ValueError(f"--student: model_type must be hysparse or hysparse2 (got {arch!r})")
+    if teacher.config.vocab_size != student.config.vocab_size:
+        raise ValueError("teacher and student vocabularies differ "
+                         f"({teacher.config.vocab_size} vs {student.config.vocab_size})")
+    windows = token_windows(tokenizer, text, seq_len, max_windows)
+    with torch.no_grad():
+        teacher_runs = [(o.logits, o.hidden_states) for o in
+                        (teacher(ids, output_hidden_states=True, use_cache=False) for ids in windows)]
+    summaries, switches = [], {}
+    for name, change in tqdm(STAGES[arch], desc="switches", unit="stage"):
+        switches.update(change)
+        summaries.append(evaluate_stage(teacher_runs, student, windows, name, dict(switches)).summary())
+    teacher_ppl = _teacher_perplexity(teacher_runs, windows)
+    return {"arch": arch, "teacher": str(teacher_dir), "student": str(student_dir), "seq_len": seq_len,
+            "windows": len(windows), "teacher_perplexity": teacher_ppl, "stages": summaries,
+            "jumps": find_jumps(summaries),
+            "coverage_by_position": coverage_by_position(student.config, summaries[-1]["layers"])}
+
+
+def _teacher_perplexity(teacher_runs, windows) -> float:
+    nll, n = 0.0, 0
+    for (logits, _), ids in zip(teacher_runs, windows):
+        logp = torch.log_softmax(logits[:, :-1].double(), -1)
+        nll -= float(logp.gather(-1, ids[:, 1:].unsqueeze(-1)).sum())
+        n += ids.shape[1] - 1
+    return float(torch.exp(torch.tensor(nll / n)))
+
+
+def markdown_report(report: dict) -> str:
+    lines = [f"# Validation: {report['student']} vs teacher {report['teacher']}", "",
+             f"{report['arch']}, {report['windows']} windows of {report['seq_len']} tokens; teacher perplexity "
+             f"{report['teacher_perplexity']:.2f}. Switches are enabled one at a time (SPEC §5).", "",
+             "| stage | KL(teacher‖student) | top-1 agreement | perplexity | worst layer cosine |",
+             "| --- | ---: | ---: | ---: | ---: |"]
+    for s in report["stages"]:
+        cos = [row["cosine"] for row in s["layers"].values() if "cosine" in row]
+        worst = f"{min(cos):.4f}" if cos else "n/a (logits rows only)"
+        ppl = "n/a" if s["perplexity"] is None else f"{s['perplexity']:.2f}"
+        lines.append(f"| {s['stage']} | {s['kl']:.4f} | {s['top1']:.3f} | {ppl} | {worst} |")
+    lines += ["", "## Where the error jumps", "", "| stage | KL change | layer with the largest cosine drop | drop |",
+              "| --- | ---: | ---: | ---: |"]
+    for j in report["jumps"]:
+        lines.append(f"| {j['stage']} | {j['kl_change']:+.4f} | {j['worst_layer']} | {j['cosine_drop']:.4f} |")
+    last_with_layers = next(s for s in reversed(report["stages"]) if any("cosine" in r for r in s["layers"].values()))
+    lines += ["", f"## Per layer at stage '{last_with_layers['stage']}'", "",
+              "| layer | cosine | max abs err | coverage M | ε | recall |", "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for i, row in last_with_layers["layers"].items():
+        extra = (f"{row['coverage']:.4f} | {row['epsilon']:.4f} | {row['recall']:.3f}" if "coverage" in row
+                 else "– | – | –")
+        lines.append(f"| {i} | {row.get('cosine', float('nan')):.5f} | {row.get('max_abs_err', float('nan')):.4g} "
+                     f"| {extra} |")
+    lines += ["", "## Coverage by position in the hybrid block", "", "| r | mean M |", "| ---: | ---: |"]
+    lines += [f"| {r} | {m:.4f} |" for r, m in report["coverage_by_position"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def plot_report(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for s in report["stages"]:
+        rows = {int(i): r for i, r in s["layers"].items() if "cosine" in r}
+        if rows:
+            ax1.plot(list(rows), [1 - r["cosine"] for r in rows.values()], marker="o", label=s["stage"])
+    ax1.set(xlabel="layer", ylabel="1 - cosine to teacher", yscale="log", title="hidden-state error per layer")
+    ax1.legend(fontsize=8)
+    cov = report["coverage_by_position"]
+    ax2.bar([str(r) for r in cov], list(cov.values()))
+    ax2.set(xlabel="position r after the oracle layer", ylabel="coverage M", ylim=(0, 1),
+            title="oracle coverage by position in block")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--teacher", required=True, help="dense teacher checkpoint directory")
+    parser.add_argument("--student", required=True, help="converted HySparse / HySparse2 checkpoint directory")
+    parser.add_argument("--text", required=True, help="held-out text file")
+    parser.add_argument("--out", default="validation", help="report directory (report.md, report.json, plots.png)")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--max-windows", type=int, default=4)
+    args = parser.parse_args(argv)
+    try:
+        text = Path(args.text).read_text(encoding="utf-8", errors="replace")
+        report = validate(args.teacher, args.student, text, args.seq_len, args.max_windows)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    (out / "report.md").write_text(markdown_report(report))
+    plot_report(report, out / "plots.png")
+    print(markdown_report(report))
+    print(f"wrote {out / 'report.md'}, {out / 'report.json'}, {out / 'plots.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
