@@ -195,8 +195,7 @@ class HySparseAttentionImpl(AttentionImpl):
         key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
         meta = attn_metadata
         if self.kernels is None:
-            # No Triton kernel selects tokens yet: the token oracle always takes the PyTorch path.
-            self.kernels = "torch" if self.role == "token_oracle" else kernel_path(query.device)
+            self.kernels = kernel_path(query.device)
         if self.kernels == "triton":
             self._forward_triton(query, key_cache, value_cache, meta, output)
             return output
@@ -211,22 +210,28 @@ class HySparseAttentionImpl(AttentionImpl):
     def _attend(self, q, k, v, s: int, e: int, page_size: int) -> torch.Tensor:
         """Rows `[s, e)` of the batch: q `[1, n, H, D]` over k, v `[1, n_keys, G, D]` -> `[1, n, H, D]`."""
         sel, buf = self.selection, self.index_buffer
+        positions = torch.arange(k.shape[1] - (e - s), k.shape[1])
         if self.role == "oracle":
             ids = ops.oracle_block_topk(q, k, self.scale, sel.block_size, sel.topk)
-            buf[s:e].copy_(ids[0])
-            self._record_pages(pages_touched(ids[0].cpu(), self._positions(e - s, k.shape[1]), sel.block_size,
-                                             page_size), k.shape[1], page_size)
+            self._publish(ids[0], s, positions, sel.block_size, page_size)
             return ops.dense_attention(q, k, v, self.scale)
         if self.role == "token_oracle":
             ids = ops.token_topk(q, k, self.scale, sel.topk, sel.window, sel.reduce)
-            buf[s:e].copy_(ids[0])
-            self._record_pages(pages_touched(ids[0].cpu(), self._positions(e - s, k.shape[1]), 1, page_size),
-                               k.shape[1], page_size)
+            self._publish(ids[0], s, positions, 1, page_size)
             return ops.dense_attention(q, k, v, self.scale)
         ids = buf[s:e].unsqueeze(0).long()
         if self.role == "block_sparse":
             return ops.block_sparse_attention(q, k, v, ids, sel.block_size, self.scale, self.sinks)
         return ops.token_sparse_attention(q, k, v, ids, self.scale, self.sinks)
+
+    def _publish(self, ids: torch.Tensor, start: int, positions: torch.Tensor, block_size: int,
+                 page_size: int) -> None:
+        """Hand `ids [n, G, width]` (rows from `start`) to the sparse followers and count their pages.
+
+        Pages are counted where the ids live; only the sums cross to the host.
+        """
+        self.index_buffer[start:start + ids.shape[0]].copy_(ids)
+        worker_stats().add(pages_touched(ids, positions, block_size, page_size), positions, page_size)
 
     def _forward_triton(self, query, key_cache, value_cache, meta: HySparseMetadata, output) -> None:
         """The whole batch in one launch of a `csrc_triton` kernel."""
@@ -238,11 +243,15 @@ class HySparseAttentionImpl(AttentionImpl):
 
             _, ids = oracle_attention(*batch, scale=self.scale, sparse_block_size=sel.block_size, topk=sel.topk,
                                       out=output[:n])
-            buf[:n].copy_(ids)
-            # Pages per query on the device; only the sums cross to the host.
             positions = row_positions(meta.query_start_loc_cpu, meta.seq_lens_cpu, n).to(ids.device)
-            worker_stats().add(pages_touched(ids, positions, sel.block_size, key_cache.shape[2]), positions,
-                               key_cache.shape[2])
+            self._publish(ids, 0, positions, sel.block_size, key_cache.shape[2])
+        elif self.role == "token_oracle":
+            from csrc_triton.token_oracle import token_oracle_attention
+
+            _, ids = token_oracle_attention(*batch, scale=self.scale, topk_tokens=sel.topk, recent_window=sel.window,
+                                            score_head_reduce=sel.reduce, out=output[:n])
+            positions = row_positions(meta.query_start_loc_cpu, meta.seq_lens_cpu, n).to(ids.device)
+            self._publish(ids, 0, positions, 1, key_cache.shape[2])
         elif self.role == "block_sparse":
             from csrc_triton.block_sparse import block_sparse_attention
 
@@ -252,11 +261,3 @@ class HySparseAttentionImpl(AttentionImpl):
             from csrc_triton.token_sparse import token_sparse_attention
 
             token_sparse_attention(*batch, buf[:n], scale=self.scale, sinks=self.sinks, out=output[:n])
-
-    @staticmethod
-    def _positions(num_rows: int, num_keys: int) -> torch.Tensor:
-        return torch.arange(num_keys - num_rows, num_keys)
-
-    def _record_pages(self, pages: torch.Tensor, num_keys: int, page_size: int) -> None:
-        """Pages per query of the selection just made (what every sparse follower will read)."""
-        worker_stats().add(pages, self._positions(pages.shape[0], num_keys), page_size)
