@@ -1,16 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Serving benchmark on CPU: HySparse `small` vs a dense Llama of the same shape, through `vllm serve`.
+"""Serving benchmark on CPU: HySparse2 `small` vs HySparse `small` vs a same-shape dense Llama, via `vllm serve`.
 
-    python benchmarks/serve_bench.py            # prompt lengths 512, 2048, 4096 (~25 min on 2 cores)
-    python benchmarks/serve_bench.py --quick    # prompt lengths 256, 1024 (~8 min)
+    python benchmarks/serve_bench.py            # prompt lengths 512, 2048, 4096, all four servers (~30 min on 2 cores)
+    python benchmarks/serve_bench.py --quick    # prompt lengths 256, 1024
+    python benchmarks/serve_bench.py --models hysparse2 hysparse2-noexit --reuse benchmarks/results/<earlier>.json
 
-For each model it starts `vllm serve` with the same KV memory, drives it with
-`vllm bench serve` (random dataset, one run per prompt length), reads TTFT,
-TPOT and throughput from the saved JSON, HySparse's pages per query from the
-`vllm:hysparse_*` counters on /metrics (delta over each run) and the KV lines
-from the server log. It writes `benchmarks/results/serve_cpu_<date>[_quick].{json,md,png}`
-and prints the Markdown table. Checkpoints are created once under
-`benchmarks/checkpoints/` (random weights, nothing downloaded).
+Four server configurations, one at a time: `dense` (Llama), `hysparse`, `hysparse2` (prefill early exit on,
+the default) and `hysparse2-noexit` (the same checkpoint served with `VLLM_HYSPARSE2_EARLY_EXIT=0`). Each
+server gets the same KV memory and `--no-enable-prefix-caching`; `vllm bench serve` drives it (random
+dataset, one run per prompt length). TTFT, TPOT and throughput come from the saved JSON, pages per query
+from the `vllm:hysparse_*` counters on /metrics (delta over each run), the KV lines from the server log,
+and the prefill FLOPs of every configuration are computed (`benchmarks/prefill_flops.py`) next to the
+measured TTFT. It writes `benchmarks/results/serve_cpu_<date>[_quick][_HHMM].{json,md,png}` (never over an
+existing file) and prints the Markdown tables. Checkpoints are created once under `benchmarks/checkpoints/`
+(random weights, nothing downloaded).
 """
 
 import argparse
@@ -35,24 +38,41 @@ from pathlib import Path
 BENCH_DIR = Path(__file__).resolve().parent
 CHECKPOINT_DIR = BENCH_DIR / "checkpoints"
 RESULTS_DIR = BENCH_DIR / "results"
-MODELS = ("hysparse", "dense")
+sys.path.insert(0, str(BENCH_DIR))  # prefill_flops.py next to this file, however the script is started
+from prefill_flops import PAPER_ANCHOR, flops_table, paper_ratio  # noqa: E402
+
+MODELS = ("dense", "hysparse", "hysparse2", "hysparse2-noexit")
+EARLY_EXIT_ENV = "VLLM_HYSPARSE2_EARLY_EXIT"
+# name -> checkpoint directory under --checkpoints, extra server environment (None: removed), label
+SERVERS = {
+    "dense": {"checkpoint": "llama-small", "env": {}, "label": "dense"},
+    "hysparse": {"checkpoint": "hysparse-small", "env": {}, "label": "HySparse"},
+    "hysparse2": {"checkpoint": "hysparse2-small", "env": {EARLY_EXIT_ENV: None}, "label": "HySparse2 exit on"},
+    "hysparse2-noexit": {"checkpoint": "hysparse2-small", "env": {EARLY_EXIT_ENV: "0"},
+                         "label": "HySparse2 exit off"},
+}
 VLLM = Path(sys.executable).parent / "vllm"
-NOTE_IMPL = ("CPU timings compare implementations, not architectures: HySparse attention runs as a "
-             "PyTorch path (no C++ kernel) while dense Llama uses vLLM's C++ CPU attention.")
+NOTE_IMPL = ("CPU timings compare implementations, not architectures: HySparse and HySparse2 attention "
+             "(HySparse full and sparse layers, HySparse2 cross-decoder) runs as a PyTorch path (no C++ kernel; "
+             "masked dense attention in 256-row query chunks, scores computed a second time for the oracle / "
+             "token selection) while dense Llama, HySparse's SWA branch and HySparse2's self-decoder use "
+             "vLLM's C++ CPU attention.")
 NOTE_VLLM_KV = ("vLLM's 'KV cache size' counts every cache group of a hybrid model as full-length, so for "
-                "HySparse it understates the tokens that fit; 'ours' is the HySparse log line (full-length "
+                "HySparse / HySparse2 it understates the tokens that fit; 'ours' is our log line (full-length "
                 "caches only; window caches are bounded per sequence). vLLM's count also grows with --max-model-len "
                 "(the window groups' share shrinks), so compare runs at the same --max-model-len.")
+NOTE_PREFIX = ("Every server runs with `--no-enable-prefix-caching` (runs before this change used vLLM's default, "
+               "prefix caching on), so each TTFT is a full prefill.")
 
 
 # ---------------------------------------------------------------- checkpoints
 
-def ensure_hysparse_checkpoint(path: Path) -> Path:
-    """The `small` HySparse checkpoint at `path`, written once."""
+def ensure_hysparse_checkpoint(path: Path, arch: str = "hysparse") -> Path:
+    """The `small` HySparse (or HySparse2) checkpoint at `path`, written once."""
     from vllm_hysparse.tools.make_checkpoint import write_checkpoint
 
     if not (path / "config.json").exists():
-        write_checkpoint(path, "hysparse", "small", force=True)
+        write_checkpoint(path, arch, "small", force=True)
     return path
 
 
@@ -103,29 +123,35 @@ def ensure_dense_checkpoint(path: Path, hysparse_path: Path, seed: int = 0) -> P
 
 # ---------------------------------------------------------------- expectations (from configs, not measured)
 
-def expected_kv_ratios(config, context_lens: list[int], dtype_bytes: int) -> dict:
-    """Dense / HySparse KV bytes per token at each context length (layers / full layers, less the SWA share)."""
+def expected_kv_ratios(config, context_lens: list[int], dtype_bytes: int, dense_bytes_per_token: int | None = None
+                       ) -> dict:
+    """Dense / hybrid KV bytes per token at each context length (layers / full layers, less the SWA share).
+
+    `dense_bytes_per_token`: the dense baseline (default: a dense model of the config's own shape).
+    """
     from vllm_hysparse.configs.base import kv_bytes_per_token
 
     rows = {}
     for n in context_lens:
         kv = kv_bytes_per_token(config, dtype_bytes=dtype_bytes, context_len=n)
-        rows[n] = {"hysparse_bytes_per_token": kv["bytes_per_token"],
-                   "dense_bytes_per_token": kv["dense_bytes_per_token"],
-                   "ratio_dense_over_hysparse": kv["dense_bytes_per_token"] / kv["bytes_per_token"]}
+        dense = dense_bytes_per_token or kv["dense_bytes_per_token"]
+        rows[n] = {"hysparse_bytes_per_token": kv["bytes_per_token"], "dense_bytes_per_token": dense,
+                   "ratio_dense_over_hysparse": dense / kv["bytes_per_token"]}
     full, windowed = config.kv_cache_layers()
+    per_layer = 2 * config.num_key_value_heads * config.head_dim * dtype_bytes
+    dense = dense_bytes_per_token or per_layer * config.num_hidden_layers
     return {"layers": config.num_hidden_layers, "full_length_caches": full, "window_caches": windowed,
-            "swa_window": config.swa_window, "block_size": config.sparse_block_size,
-            "topk_blocks": config.sparse_topk_blocks, "upper_bound_layers_over_full": config.num_hidden_layers / full,
-            "by_context_len": rows}
+            "swa_window": config.swa_window, "block_size": getattr(config, "sparse_block_size", None),
+            "topk_blocks": getattr(config, "sparse_topk_blocks", None),
+            "topk_tokens": getattr(config, "sparse_topk_tokens", None),
+            "recent_window": getattr(config, "recent_window", None),
+            "upper_bound_layers_over_full": dense / (per_layer * full), "by_context_len": rows}
 
 
-def paper_config():
-    from vllm_hysparse.configs import HySparseConfig
-    from vllm_hysparse.tools.make_checkpoint import write_checkpoint
+def paper_config(arch: str = "hysparse"):
+    from vllm_hysparse.tools.make_checkpoint import build_config
 
-    with tempfile.TemporaryDirectory() as tmp:
-        return HySparseConfig.from_pretrained(write_checkpoint(Path(tmp) / "paper", "hysparse", "paper"))
+    return build_config(arch, "paper", None)
 
 
 # ---------------------------------------------------------------- parsing
@@ -213,11 +239,22 @@ def free_port() -> int:
 
 def serve_command(ckpt: Path, port: int, max_model_len: int) -> list[str]:
     return [str(VLLM), "serve", str(ckpt), "--dtype", "float32", "--port", str(port),
-            "--max-model-len", str(max_model_len)]
+            "--max-model-len", str(max_model_len), "--no-enable-prefix-caching"]
 
 
-def serve_env(kv_space_gib: int) -> dict[str, str]:
-    return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+def server_env_settings(kv_space_gib: int, extra: dict[str, str | None] | None = None) -> dict[str, str | None]:
+    """The variables a server is started with on top of the inherited environment (None: unset)."""
+    return {"VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib), "VLLM_CPU_OMP_THREADS_BIND": "nobind", **(extra or {})}
+
+
+def serve_env(kv_space_gib: int, extra: dict[str, str | None] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    for key, value in server_env_settings(kv_space_gib, extra).items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return env
 
 
 def bench_command(ckpt: Path, root_url: str, input_len: int, output_len: int, num_prompts: int,
@@ -309,18 +346,31 @@ def error_excerpt(path: Path, max_lines: int = 40) -> str:
 
 # ---------------------------------------------------------------- one model
 
+def bench_settings(args) -> dict:
+    """The load one model's runs were measured under (kept per model: a reused record may differ)."""
+    return {"num_prompts": args.num_prompts, "output_len": args.output_len, "concurrency": args.concurrency,
+            "kv_space_gib": args.kv_space_gib, "prefix_caching": False,
+            "max_model_len": max_model_len_for(args.prompt_lens, args.output_len)}
+
+
+_EARLY_EXIT_LOG = "HySparse2: prefill early exit on"
+
+
 def bench_model(name: str, ckpt: Path, args, work: Path) -> dict:
     """Serve `ckpt`, run every prompt length, collect timings, pages per query and KV lines."""
     max_len = max_model_len_for(args.prompt_lens, args.output_len)
     cmd = serve_command(ckpt, free_port(), max_len)
     log_path = work / f"serve_{name}.log"
-    record = {"checkpoint": str(ckpt), "params": param_count(ckpt), "serve_command": shlex.join(cmd), "serve_log": str(log_path),
-              "env": {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_space_gib), "VLLM_CPU_OMP_THREADS_BIND": "nobind"},
+    extra_env = SERVERS[name]["env"]
+    record = {"checkpoint": str(ckpt), "params": param_count(ckpt), "serve_command": shlex.join(cmd),
+              "serve_log": str(log_path),
+              "env": server_env_settings(args.kv_space_gib, extra_env), "settings": bench_settings(args),
               "runs": {}, "errors": []}
-    print(f"[{name}] {shlex.join(cmd)}  (log: {log_path})", flush=True)
+    env_words = " ".join(f"{k}={v}" for k, v in extra_env.items() if v is not None)
+    print(f"[{name}] {env_words + ' ' if env_words else ''}{shlex.join(cmd)}  (log: {log_path})", flush=True)
     t0 = time.monotonic()
     try:
-        with running_server(cmd, serve_env(args.kv_space_gib), log_path, args.start_timeout) as (proc, root):
+        with running_server(cmd, serve_env(args.kv_space_gib, extra_env), log_path, args.start_timeout) as (proc, root):
             record["startup_s"] = time.monotonic() - t0
             warm_up(root, str(ckpt), args.bench_timeout)
             for n in args.prompt_lens:
@@ -364,8 +414,14 @@ def bench_model(name: str, ckpt: Path, args, work: Path) -> dict:
         record["errors"].append(f"server: {e}")
         record["server_log_excerpt"] = error_excerpt(log_path)
         print(f"[{name}] error: {e}\n{record['server_log_excerpt']}", file=sys.stderr, flush=True)
-    record["kv"] = parse_kv_log(log_path.read_text(errors="replace") if log_path.exists() else "",
-                                args.kv_space_gib << 30)
+    log_text = log_path.read_text(errors="replace") if log_path.exists() else ""
+    record["kv"] = parse_kv_log(log_text, args.kv_space_gib << 30)
+    if name.startswith("hysparse2"):  # the config hook logs this line when it switches early exit on
+        record["early_exit_logged"] = _EARLY_EXIT_LOG in log_text
+        expected = name == "hysparse2"
+        if record["early_exit_logged"] != expected:
+            record["errors"].append(f"server log: early exit {'off' if expected else 'on'}, expected "
+                                    f"{'on' if expected else 'off'}")
     record["total_s"] = time.monotonic() - t0
     return record
 
@@ -408,9 +464,23 @@ def _ratio(a, b, digits=2):
     return f"{a / b:.{digits}f}×" if a is not None and b else "—"
 
 
+def _at(mapping: dict, n):
+    """mapping[n] whether the key is an int (fresh result) or a string (loaded from JSON)."""
+    if mapping is None:
+        return None
+    return mapping.get(n, mapping.get(str(n)))
+
+
+def _run(result: dict, model: str, n: int) -> dict:
+    return _at(result["models"].get(model, {}).get("runs", {}), n) or {}
+
+
 def _metric(result: dict, model: str, n: int, key: str):
-    run = result["models"].get(model, {}).get("runs", {}).get(str(n), {})
-    return (run.get("bench") or {}).get(key)
+    return (_run(result, model, n).get("bench") or {}).get(key)
+
+
+def _label(model: str) -> str:
+    return SERVERS[model]["label"]
 
 
 def _loadavg_note(machine: dict) -> str:
@@ -422,76 +492,214 @@ def _loadavg_note(machine: dict) -> str:
             f"{fmt(f'{x:.1f}' for x in end) if end else '?'} at end)")
 
 
+def _model_settings(result: dict, model: str) -> dict:
+    rec = result["models"].get(model, {})
+    return rec.get("settings") or {}
+
+
+def _settings_words(st: dict) -> str:
+    return (f"{st.get('num_prompts', '?')} prompts × {st.get('output_len', '?')} output tokens, concurrency "
+            f"{st.get('concurrency', '?')}, prefix caching {'on' if st.get('prefix_caching') else 'off'}, "
+            f"`--max-model-len {st.get('max_model_len', '?')}`")
+
+
+TIMING_ROWS = [("TTFT mean (ms)", "mean_ttft_ms", 0), ("TTFT median (ms)", "median_ttft_ms", 0),
+               ("TTFT p99 (ms)", "p99_ttft_ms", 0), ("TPOT mean (ms)", "mean_tpot_ms", 1),
+               ("TPOT median (ms)", "median_tpot_ms", 1), ("output tok/s", "output_throughput", 2),
+               ("total tok/s", "total_token_throughput", 1)]
+
+
+def _timing_table(result: dict, lens: list[int]) -> list[str]:
+    heads = " | ".join(_label(m) for m in MODELS)
+    lines = [f"| prompt | metric | {heads} | HySparse/dense | HySparse2 on/HySparse | HySparse2 on/off |",
+             "| ---: | --- | " + " | ".join("---:" for _ in MODELS) + " | ---: | ---: | ---: |"]
+    for n in lens:
+        for label, key, digits in TIMING_ROWS:
+            v = {m: _metric(result, m, n, key) for m in MODELS}
+            cells = " | ".join(_fmt(v[m], digits) for m in MODELS)
+            lines.append(f"| {n} | {label} | {cells} | {_ratio(v['hysparse'], v['dense'])} | "
+                         f"{_ratio(v['hysparse2'], v['hysparse'])} | {_ratio(v['hysparse2'], v['hysparse2-noexit'])} |")
+    return lines
+
+
+def _pages_table(result: dict, lens: list[int]) -> list[str]:
+    sparse = [m for m in MODELS if m != "dense"]
+    lines = ["| prompt | " + " | ".join(f"{_label(m)}: selection | {_label(m)}: dense query | {_label(m)}: "
+                                       "queries" for m in sparse) + " |",
+             "| ---: | " + " | ".join("---: | ---: | ---:" for _ in sparse) + " |"]
+    for n in lens:
+        cells = []
+        for m in sparse:
+            pages = _run(result, m, n).get("pages") or {}
+            p, dp = pages.get("pages_per_query"), pages.get("dense_pages_per_query")
+            cells.append(f"{_fmt(p, 1)} ({_ratio(p, dp)} of dense) | {_fmt(dp, 1)} | {_fmt(pages.get('queries'))}")
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _flops_table(result: dict, lens: list[int]) -> list[str]:
+    lines = ["| prompt | config | prefill GFLOPs (model) | GFLOPs our CPU path executes (approx.) | "
+             "FLOPs HySparse/this | TTFT mean (ms) | TTFT HySparse/this | TTFT ratio ÷ FLOPs ratio | "
+             "÷ CPU-path FLOPs ratio | FLOPs dense/this | TTFT dense/this | TTFT ratio ÷ FLOPs ratio |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for n in lens:
+        row = _at(result["flops"]["lens"], n)
+        ttft = {m: _metric(result, m, n, "mean_ttft_ms") for m in MODELS}
+        for m in MODELS:
+            f, fc = row[m]["model"], row[m]["cpu"]
+            fr_h, fr_d = row["hysparse"]["model"] / f, row["dense"]["model"] / f
+            fr_hc = row["hysparse"]["cpu"] / fc
+            tr_h = ttft["hysparse"] / ttft[m] if ttft["hysparse"] and ttft[m] else None
+            tr_d = ttft["dense"] / ttft[m] if ttft["dense"] and ttft[m] else None
+            lines.append(
+                f"| {n} | {_label(m)} | {f / 1e9:,.1f} | {fc / 1e9:,.1f} | {fr_h:.2f}× | {_fmt(ttft[m])} | "
+                f"{_fmt(tr_h, 2)}{'×' if tr_h else ''} | {_fmt(tr_h and tr_h / fr_h, 2)} | "
+                f"{_fmt(tr_h and tr_h / fr_hc, 2)} | {fr_d:.2f}× | {_fmt(tr_d, 2)}{'×' if tr_d else ''} | "
+                f"{_fmt(tr_d and tr_d / fr_d, 2)} |")
+    return lines
+
+
+def _flops_parts_table(result: dict, lens: list[int]) -> list[str]:
+    lines = ["| prompt | config | projections | MLP | attention | lm_head (1 row) |",
+             "| ---: | --- | ---: | ---: | ---: | ---: |"]
+    for n in lens:
+        row = _at(result["flops"]["lens"], n)
+        for m in MODELS:
+            parts = row[m]["model_parts"]
+            lines.append(f"| {n} | {_label(m)} | " + " | ".join(
+                f"{parts[k] / 1e9:,.2f}" for k in ("projections", "mlp", "attention", "lm_head")) + " |")
+    return lines
+
+
+def _paper_table(result: dict) -> list[str]:
+    p = result["flops"]["paper"]
+    lines = [f"| HySparse 80B counted with | HySparse PFLOPs | HySparse2 80B PFLOPs (early exit) | "
+             f"HySparse / HySparse2 (early exit) | HySparse / HySparse2 (no exit: {p['hysparse2_noexit'] / 1e15:,.1f} "
+             f"PFLOPs) | paper (Fig. 4) |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for label, r in p["rows"].items():
+        lines.append(f"| {label} | {r['hysparse'] / 1e15:,.1f} | {p['hysparse2'] / 1e15:,.1f} | "
+                     f"**{r['ratio_exit']:.2f}×** | {r['ratio_noexit']:.2f}× | {p['paper_anchor']}× |")
+    return lines
+
+
+def _kv_table(result: dict) -> list[str]:
+    lines = ["| | " + " | ".join(_label(m) for m in MODELS) + " |",
+             "| --- | " + " | ".join("---:" for _ in MODELS) + " |"]
+    kv = {m: result["models"].get(m, {}).get("kv", {}) for m in MODELS}
+    dense_cfg = result["expected"]["dense_bytes_per_token_small"]
+
+    def ours(m, key):
+        return (kv[m].get("ours") or {}).get(key)
+
+    def vllm(m, key):
+        return (kv[m].get("vllm") or {}).get(key)
+
+    bpt = {m: ours(m, "bytes_per_token") for m in MODELS}
+    bpt["dense"] = dense_cfg
+    lines.append("| KV bytes/token, full-length caches (dense: from config) | " +
+                 " | ".join(_fmt(bpt[m]) for m in MODELS) + " |")
+    lines.append("| dense / this | " + " | ".join(_ratio(dense_cfg, bpt[m]) for m in MODELS) + " |")
+    lines.append("| KV bytes/token implied by vLLM's token count (KV memory / tokens) | " +
+                 " | ".join(_fmt(vllm(m, "implied_bytes_per_token")) for m in MODELS) + " |")
+    fit = {m: ours(m, "tokens_fit") for m in MODELS}
+    fit["dense"] = vllm("dense", "tokens_fit")
+    src = {m: ours(m, "tokens_fit_source") or "—" for m in MODELS}
+    lines.append("| tokens that fit, ours (server log; dense: vLLM) | " + " | ".join(
+        f"{_fmt(fit[m])}" + (f" ({src[m]})" if m != "dense" and src[m] not in ("server log", "—") else "")
+        for m in MODELS) + " |")
+    lines.append("| tokens that fit, this / dense | " + " | ".join(_ratio(fit[m], fit["dense"]) for m in MODELS) + " |")
+    lines.append("| tokens that fit, vLLM's 'KV cache size' | " +
+                 " | ".join(_fmt(vllm(m, "tokens_fit")) for m in MODELS) + " |")
+    lines.append("| vLLM's count, this / dense | " +
+                 " | ".join(_ratio(vllm(m, "tokens_fit"), vllm("dense", "tokens_fit")) for m in MODELS) + " |")
+    return lines
+
+
+EXPECTED_ROWS = (("hysparse_small", "HySparse `small` [F,S,S,S]×3 vs dense Llama `small`"),
+                 ("hysparse2_small", "HySparse2 `small` [W,W,F,W,W,W]+[F,S,S,F,S,S] vs dense Llama `small`"),
+                 ("hysparse_paper", "HySparse paper 49 layers, 5 full, vs dense of its shape"),
+                 ("hysparse2_paper", "HySparse2 paper 49 layers, 1+4 full (MQA, D 256), vs dense of its shape"))
+
+
+def _expected_table(result: dict) -> list[str]:
+    ctx = result["expected"]["context_lens"]
+    lines = ["| layout | dense / full-length caches (upper bound) | " +
+             " | ".join(f"at {n} tokens" for n in ctx) + " |",
+             "| --- | ---: | " + " | ".join("---:" for _ in ctx) + " |"]
+    for key, label in EXPECTED_ROWS:
+        e = result["expected"].get(key)
+        if not e:
+            continue
+        cells = [f"{_at(e['by_context_len'], n)['ratio_dense_over_hysparse']:.2f}×" for n in ctx]
+        lines.append(f"| {label} | {e['upper_bound_layers_over_full']:.2f}× | " + " | ".join(cells) + " |")
+    return lines
+
+
 def markdown_report(result: dict) -> str:
-    """Side-by-side table per prompt length with HySparse/dense ratios, the KV table and notes."""
+    """Timing, pages, FLOPs and KV tables for the four configurations, with the notes."""
     lens = result["settings"]["prompt_lens"]
     s = result["settings"]
-    lines = [f"# Serving on CPU: HySparse `small` vs dense Llama ({result['date']})", "",
-             f"{s['num_prompts']} prompts × {s['output_len']} output tokens per prompt length, concurrency "
-             f"{s['concurrency']}, `VLLM_CPU_KVCACHE_SPACE={s['kv_space_gib']}` and `--max-model-len "
-             f"{max_model_len_for(lens, s['output_len'])}` for both, float32; "
-             f"{result['machine']['cpu_count']} CPU cores ({result['machine']['cpu']}).", "",
-             "| prompt | metric | HySparse | dense | HySparse/dense |", "| ---: | --- | ---: | ---: | ---: |"]
-    rows = [("TTFT mean (ms)", "mean_ttft_ms", 0), ("TTFT median (ms)", "median_ttft_ms", 0),
-            ("TTFT p99 (ms)", "p99_ttft_ms", 0), ("TPOT mean (ms)", "mean_tpot_ms", 1),
-            ("TPOT median (ms)", "median_tpot_ms", 1), ("output tok/s", "output_throughput", 2),
-            ("total tok/s", "total_token_throughput", 1)]
-    for n in lens:
-        for label, key, digits in rows:
-            h, d = _metric(result, "hysparse", n, key), _metric(result, "dense", n, key)
-            lines.append(f"| {n} | {label} | {_fmt(h, digits)} | {_fmt(d, digits)} | {_ratio(h, d)} |")
-        pages = result["models"].get("hysparse", {}).get("runs", {}).get(str(n), {}).get("pages") or {}
-        p, dp = pages.get("pages_per_query"), pages.get("dense_pages_per_query")
-        lines.append(f"| {n} | KV pages per sparse query | {_fmt(p, 1)} | {_fmt(dp, 1)} (dense query) | "
-                     f"{_ratio(p, dp)} |")
-        exp = result["expected"]["small"]["by_context_len"].get(n) or result["expected"]["small"][
-            "by_context_len"].get(str(n))
-        lines.append(f"| {n} | KV bytes/token, expected from config (at this context) | "
-                     f"{_fmt(exp['hysparse_bytes_per_token'])} | {_fmt(exp['dense_bytes_per_token'])} | "
-                     f"{_ratio(exp['hysparse_bytes_per_token'], exp['dense_bytes_per_token'])} |")
-    lines += ["", "## KV cache (same KV memory for both)", "",
-              "| | HySparse | dense | dense/HySparse |", "| --- | ---: | ---: | ---: |"]
-    hk, dk = result["models"].get("hysparse", {}).get("kv", {}), result["models"].get("dense", {}).get("kv", {})
-    ours = hk.get("ours", {})
-    h_bpt, d_bpt = ours.get("bytes_per_token"), (dk.get("vllm") or {}).get("implied_bytes_per_token")
-    d_bpt_cfg = result["expected"]["small_served"]["dense_bytes_per_token_full"]
-    lines.append(f"| KV bytes/token (full-length caches; dense: from config) | {_fmt(h_bpt)} | {_fmt(d_bpt_cfg)} | "
-                 f"{_ratio(d_bpt_cfg, h_bpt)} |")
-    lines.append(f"| KV bytes/token implied by vLLM's token count (KV memory / tokens) | "
-                 f"{_fmt((hk.get('vllm') or {}).get('implied_bytes_per_token'))} | {_fmt(d_bpt)} | "
-                 f"{_ratio(d_bpt, (hk.get('vllm') or {}).get('implied_bytes_per_token'))} |")
-    h_tok, d_tok = ours.get("tokens_fit"), (dk.get("vllm") or {}).get("tokens_fit")
-    h_vtok = (hk.get("vllm") or {}).get("tokens_fit")
-    lines.append(f"| tokens that fit, ours ({ours.get('tokens_fit_source', '—')}) | {_fmt(h_tok)} | {_fmt(d_tok)} "
-                 f"(vLLM) | {_ratio(h_tok, d_tok)} (HySparse/dense) |")
-    lines.append(f"| tokens that fit, vLLM's 'KV cache size' | {_fmt(h_vtok)} | {_fmt(d_tok)} | "
-                 f"{_ratio(h_vtok, d_tok)} (HySparse/dense) |")
-    lines += ["", "## Expected KV bytes/token ratio dense/HySparse (from configs, not measured)", "",
-              "| layout | layers / full-length caches (upper bound) | " +
-              " | ".join(f"at {n} tokens" for n in result["expected"]["context_lens"]) + " |",
-              "| --- | ---: | " + " | ".join("---:" for _ in result["expected"]["context_lens"]) + " |"]
-    for key, label in (("small", "`small` [F,S,S,S]×3, 12 layers"), ("paper", "paper 49 layers, 5 full")):
-        e = result["expected"][key]
-        cells = [f"{e['by_context_len'][n]['ratio_dense_over_hysparse']:.2f}×" for n in result["expected"]["context_lens"]]
-        lines.append(f"| {label} | {e['upper_bound_layers_over_full']:.2f}× | " + " | ".join(cells) + " |")
-    small = result["expected"]["small"]
-    lines += ["", "Notes:", "", f"- {NOTE_IMPL}", f"- {NOTE_VLLM_KV}",
-              "- The expected ratio is `layers / full-length caches` less the sliding-window share: each of the "
-              "window caches holds at most `swa_window` tokens per sequence, which per token is "
+    ran = [m for m in MODELS if m in result["models"] and not result["models"][m].get("reused_from")]
+    reused = [m for m in MODELS if result["models"].get(m, {}).get("reused_from")]
+    lines = [f"# Serving on CPU: HySparse2 `small` vs HySparse `small` vs dense Llama ({result['date']})", "",
+             f"{_settings_words(bench_settings_from(s, lens))}, `VLLM_CPU_KVCACHE_SPACE={s['kv_space_gib']}` for "
+             f"every server, float32; {result['machine']['cpu_count']} CPU cores ({result['machine']['cpu']}). "
+             f"HySparse2 exit on / off: the same checkpoint, served without / with `{EARLY_EXIT_ENV}=0`. "
+             f"Measured in this run: {', '.join(_label(m) for m in ran) or 'none'}."]
+    for m in reused:
+        lines.append(f"Reused from `{result['models'][m]['reused_from']}`: {_label(m)} "
+                     f"({_settings_words(_model_settings(result, m))}).")
+    lines += ["", "## Timing", ""] + _timing_table(result, lens)
+    lines += ["", "## Prefill FLOPs (computed) next to measured TTFT", "",
+              "Ratios are speed-ups: `X/this` > 1 means this configuration needs fewer FLOPs / less time than X. "
+              "`TTFT ratio ÷ FLOPs ratio` = 1 when the measured time follows the model FLOPs; < 1 when the "
+              "implementation gives back part of the FLOPs saving. The CPU-path column counts what our "
+              "implementation executes (see notes).", ""] + _flops_table(result, lens)
+    lines += ["", "Model FLOPs by part (GFLOPs):", ""] + _flops_parts_table(result, lens)
+    lines += ["", f"## Paper layouts at {result['flops']['paper']['n']:,} tokens (computed)", "",
+              "Attention + projections (q/k/v/o, gates, bridges); the MoE FFN and lm_head are not modelled, "
+              "so these are not the paper's whole-model FLOPs.", ""] + _paper_table(result)
+    lines += ["", "## KV pages per query", "",
+              "`selection`: distinct KV pages (vLLM blocks) a sparse query's selection touches; `dense query`: "
+              "pages full attention over the same context touches; `queries`: queries counted over the run.", ""]
+    lines += _pages_table(result, lens)
+    lines += ["", "## KV cache (same KV memory for all)", ""] + _kv_table(result)
+    lines += ["", "## Expected KV bytes/token ratio (from configs, not measured)", ""] + _expected_table(result)
+    hs = result["expected"]["hysparse_small"]
+    hs2 = result["expected"].get("hysparse2_small") or {}
+    lines += ["", "Notes:", "", f"- {NOTE_IMPL}", f"- {NOTE_PREFIX}", f"- {NOTE_VLLM_KV}",
+              "- Prefill FLOPs (model): 2·m·k·n per matmul; projections, SwiGLU MLP, attention scores + values "
+              "counted causally (query t sees t+1 keys; windows min(t+1, 128)); HySparse's oracle scores are the "
+              "full layer's own scores; a HySparse sparse layer's global branch is counted over min(t+1, topk·B = "
+              f"{(hs['topk_blocks'] or 0) * (hs['block_size'] or 0):,}) keys, an upper bound (the query's own "
+              "partial block holds fewer keys); HySparse2 cross full layers score every causal key, cross sparse "
+              f"layers see min(t+1, k_g + w = {(hs2.get('topk_tokens') or 0) + (hs2.get('recent_window') or 0):,}) "
+              "keys; with early exit the cross-decoder runs on the last prompt token only (bridges still project "
+              "K/V for every token); lm_head on one row for every configuration. Top-k, softmax, norms, masks "
+              "are not counted. Formula and code: `benchmarks/prefill_flops.py`, `benchmarks/README.md`.",
+              "- CPU-path FLOPs: our PyTorch attention computes masked dense attention over every key up to the "
+              "end of its 256-row query chunk (so sparse layers cost as much as full ones) and computes scores "
+              "twice in HySparse full layers and HySparse2 cross full layers (oracle / token selection); the "
+              "top-k selection over those scores costs time that no FLOPs count shows.",
+              "- The expected ratio is `dense bytes / full-length-cache bytes` less the sliding-window share: each "
+              "window cache holds at most `swa_window` tokens per sequence, which per token is "
               "`swa_window / context` of a full-length cache.",
               "- Random weights; `--ignore-eos` so every request generates exactly the requested tokens.",
               "- KV pages per query: delta of `vllm:hysparse_pages_touched_total` / "
               "`vllm:hysparse_sparse_queries_total` over the run; the dense column is "
-              "`vllm:hysparse_dense_pages_total` / queries (pages a full-attention query over the same context "
-              "touches). A sparse query selects the top "
-              f"{small['topk_blocks']} blocks of {small['block_size']} tokens, so with up to "
-              f"{small['topk_blocks'] * small['block_size']:,} tokens of context it selects every block and "
-              "equals dense.",
+              "`vllm:hysparse_dense_pages_total` / queries. HySparse counts every prompt and decode query at its "
+              f"oracle layers (top {hs['topk_blocks']} blocks of {hs['block_size']} tokens: up to "
+              f"{(hs['topk_blocks'] or 0) * (hs['block_size'] or 0):,} tokens of context it selects every block). "
+              "HySparse2 counts the queries its cross full layers select tokens for: with early exit only the last "
+              "prompt token and the decode tokens, without it every prompt token too.",
               "- The CPU is shared with other work, so timings are noisy" + _loadavg_note(result["machine"]) + "."]
     errors = [f"{m}: {e}" for m, rec in result["models"].items() for e in rec.get("errors", [])]
     if errors:
         lines += ["", "Errors:", ""] + [f"- {e}" for e in errors]
     return "\n".join(lines) + "\n"
+
+
+COLORS = {"dense": "tab:blue", "hysparse": "tab:orange", "hysparse2": "tab:green", "hysparse2-noexit": "tab:red"}
 
 
 def plot_report(result: dict, path: Path) -> None:
@@ -501,57 +709,84 @@ def plot_report(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     lens = result["settings"]["prompt_lens"]
-    colors = {"hysparse": "tab:orange", "dense": "tab:blue"}
-    labels = {"hysparse": "HySparse small", "dense": "dense Llama"}
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8.5))
+    fig, axes = plt.subplots(2, 4, figsize=(20, 8.5))
 
-    def line_panel(ax, key, title, ylabel):
+    def line_panel(ax, values, title, ylabel, log=False):
         for model in MODELS:
-            ys = [_metric(result, model, n, key) for n in lens]
-            pts = [(n, y) for n, y in zip(lens, ys) if y is not None]
+            pts = [(n, values(model, n)) for n in lens]
+            pts = [(n, y) for n, y in pts if y is not None]
             if pts:
-                ax.plot(*zip(*pts), "o-", color=colors[model], label=labels[model])
+                ax.plot(*zip(*pts), "o-", color=COLORS[model], label=_label(model))
         ax.set(title=title, xlabel="prompt length (tokens)", ylabel=ylabel)
-        ax.legend()
+        if log:
+            ax.set_yscale("log")
+        ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
 
-    line_panel(axes[0, 0], "mean_ttft_ms", "TTFT (mean)", "ms")
-    line_panel(axes[0, 1], "mean_tpot_ms", "TPOT (mean)", "ms")
-    line_panel(axes[0, 2], "total_token_throughput", "Throughput (input + output)", "tokens/s")
+    line_panel(axes[0, 0], lambda m, n: _metric(result, m, n, "mean_ttft_ms"), "TTFT (mean)", "ms")
+    line_panel(axes[0, 1], lambda m, n: _metric(result, m, n, "mean_tpot_ms"), "TPOT (mean)", "ms")
+    line_panel(axes[0, 2], lambda m, n: _at(result["flops"]["lens"], n)[m]["model"] / 1e9,
+               "Prefill FLOPs, computed (model)", "GFLOPs")
 
+    def ms_per_gflop(m, n):
+        t = _metric(result, m, n, "mean_ttft_ms")
+        return t / (_at(result["flops"]["lens"], n)[m]["model"] / 1e9) if t else None
+
+    line_panel(axes[0, 3], ms_per_gflop, "TTFT per model GFLOP (implementation cost)", "ms / GFLOP", log=True)
+
+    kv = {m: result["models"].get(m, {}).get("kv", {}) for m in MODELS}
+    names = [_label(m).replace(" exit", "\nexit") for m in MODELS]
     ax = axes[1, 0]
-    hk, dk = result["models"].get("hysparse", {}).get("kv", {}), result["models"].get("dense", {}).get("kv", {})
-    bpt = [(hk.get("ours") or {}).get("bytes_per_token") or 0,
-           (hk.get("vllm") or {}).get("implied_bytes_per_token") or 0,
-           result["expected"]["small_served"]["dense_bytes_per_token_full"]]
-    ax.bar(["HySparse\n(ours)", "HySparse\n(vLLM count)", "dense"], bpt,
-           color=[colors["hysparse"], "navajowhite", colors["dense"]])
-    ax.set(title="KV bytes/token (float32)", ylabel="bytes")
+    bpt = [(kv[m].get("ours") or {}).get("bytes_per_token") or 0 for m in MODELS]
+    bpt[0] = result["expected"]["dense_bytes_per_token_small"]
+    ax.bar(names, bpt, color=[COLORS[m] for m in MODELS])
+    ax.set(title="KV bytes/token, full-length caches (float32)", ylabel="bytes")
 
     ax = axes[1, 1]
-    toks = [(hk.get("ours") or {}).get("tokens_fit") or 0, (hk.get("vllm") or {}).get("tokens_fit") or 0,
-            (dk.get("vllm") or {}).get("tokens_fit") or 0]
-    ax.bar(["HySparse\n(ours)", "HySparse\n(vLLM count)", "dense\n(vLLM)"], toks,
-           color=[colors["hysparse"], "navajowhite", colors["dense"]])
+    ours = [(kv[m].get("ours") or {}).get("tokens_fit") or 0 for m in MODELS]
+    ours[0] = (kv["dense"].get("vllm") or {}).get("tokens_fit") or 0
+    theirs = [(kv[m].get("vllm") or {}).get("tokens_fit") or 0 for m in MODELS]
+    x = range(len(MODELS))
+    ax.bar([i - 0.2 for i in x], ours, 0.4, color=[COLORS[m] for m in MODELS], label="ours (server log)")
+    ax.bar([i + 0.2 for i in x], theirs, 0.4, color=[COLORS[m] for m in MODELS], alpha=0.4,
+           label="vLLM's 'KV cache size'")
+    ax.set_xticks(list(x), names)
     ax.set(title=f"Tokens that fit in {result['settings']['kv_space_gib']} GiB KV", ylabel="tokens")
+    ax.legend(fontsize=8)
 
     ax = axes[1, 2]
-    runs = result["models"].get("hysparse", {}).get("runs", {})
-    pts = [(n, (runs.get(str(n), {}).get("pages") or {})) for n in lens]
-    pts = [(n, p) for n, p in pts if p.get("pages_per_query") is not None]
-    if pts:
-        ax.plot([n for n, _ in pts], [p["pages_per_query"] for _, p in pts], "o-", color=colors["hysparse"],
-                label="HySparse sparse query")
-        ax.plot([n for n, _ in pts], [p["dense_pages_per_query"] for _, p in pts], "o--", color=colors["dense"],
-                label="dense query (same context)")
-        ax.legend()
+    for m in MODELS[1:]:
+        pts = [(n, _run(result, m, n).get("pages") or {}) for n in lens]
+        pts = [(n, p) for n, p in pts if p.get("pages_per_query") is not None]
+        if pts:
+            ax.plot([n for n, _ in pts], [p["pages_per_query"] for _, p in pts], "o-", color=COLORS[m],
+                    label=f"{_label(m)}: selection")
+            ax.plot([n for n, _ in pts], [p["dense_pages_per_query"] for _, p in pts], "o:", color=COLORS[m],
+                    alpha=0.5, label=f"{_label(m)}: dense query")
+    ax.legend(fontsize=7)
     ax.set(title="KV pages per query", xlabel="prompt length (tokens)", ylabel="pages")
     ax.grid(alpha=0.3)
 
-    fig.suptitle(f"vllm serve on CPU, {result['date']} — CPU timings compare implementations "
-                 "(HySparse PyTorch path vs vLLM C++ attention), not architectures", fontsize=10)
+    ax = axes[1, 3]
+    for m in MODELS:
+        pts = []
+        for n in lens:
+            row, t_h, t = _at(result["flops"]["lens"], n), _metric(result, "hysparse", n, "mean_ttft_ms"), \
+                _metric(result, m, n, "mean_ttft_ms")
+            if t_h and t:
+                pts.append((n, (t_h / t) / (row["hysparse"]["model"] / row[m]["model"])))
+        if pts:
+            ax.plot(*zip(*pts), "o-", color=COLORS[m], label=_label(m))
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set(title="TTFT ratio ÷ FLOPs ratio (vs HySparse)", xlabel="prompt length (tokens)", ylabel="")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+
+    fig.suptitle(f"vllm serve on CPU, {result['date']} — CPU timings compare implementations (HySparse / HySparse2 "
+                 "PyTorch attention path vs vLLM C++ attention), not architectures; shared, loaded machine",
+                 fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
@@ -559,41 +794,91 @@ def plot_report(result: dict, path: Path) -> None:
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="prompt lengths 256, 1024 (about 8 minutes)")
+    parser.add_argument("--quick", action="store_true", help="prompt lengths 256, 1024")
     parser.add_argument("--prompt-lens", type=int, nargs="+", help="default 512 2048 4096 (--quick: 256 1024)")
-    parser.add_argument("--output-len", type=int, default=32)
-    parser.add_argument("--num-prompts", type=int, default=4)
+    parser.add_argument("--output-len", type=int, default=16)
+    parser.add_argument("--num-prompts", type=int, default=3)
     parser.add_argument("--concurrency", type=int, default=1)
-    parser.add_argument("--kv-space-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE for both servers")
-    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    parser.add_argument("--kv-space-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE for every server")
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS),
+                        help="server configurations to run, in this order (default: all)")
+    parser.add_argument("--reuse", type=Path, metavar="JSON",
+                        help="take the models not in --models from this earlier result JSON (marked as reused)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--start-timeout", type=float, default=600, help="seconds for a server to become healthy")
     parser.add_argument("--bench-timeout", type=float, default=900, help="seconds for one `vllm bench serve` run")
     parser.add_argument("--checkpoints", type=Path, default=CHECKPOINT_DIR)
     parser.add_argument("--results", type=Path, default=RESULTS_DIR)
     parser.add_argument("--report-from", type=Path, metavar="JSON",
-                        help="only redraw the .md and .png of an earlier run's JSON; runs nothing")
+                        help="only redraw the .md and .png of an earlier run's JSON (this version's format); "
+                             "runs nothing")
     args = parser.parse_args(argv)
     if args.prompt_lens is None:
         args.prompt_lens = [256, 1024] if args.quick else [512, 2048, 4096]
+    args.models = list(dict.fromkeys(args.models))  # run in the order given, each once
     return args
 
 
+def bench_settings_from(settings: dict, lens: list[int]) -> dict:
+    return {"num_prompts": settings["num_prompts"], "output_len": settings["output_len"],
+            "concurrency": settings["concurrency"], "kv_space_gib": settings["kv_space_gib"], "prefix_caching": False,
+            "max_model_len": max_model_len_for(lens, settings["output_len"])}
+
+
+def reused_records(path: Path, wanted: list[str]) -> dict:
+    """Model records from an earlier result JSON, with the settings they were measured under."""
+    old = json.loads(path.read_text())
+    out = {}
+    for m in wanted:
+        rec = old.get("models", {}).get(m)
+        if rec is None:
+            continue
+        rec = dict(rec)
+        if "settings" not in rec:  # a JSON from before per-model settings: the run's, and vLLM's prefix caching
+            st = old["settings"]
+            rec["settings"] = {**bench_settings_from(st, st["prompt_lens"]),
+                               "prefix_caching": "--no-enable-prefix-caching" not in rec.get("serve_command", "")}
+        rec["reused_from"] = str(path)
+        rec["reused_date"] = old.get("date")
+        out[m] = rec
+    return out
+
+
 def load_result(path: Path) -> dict:
-    """A saved result JSON with its integer context-length keys restored (JSON stores them as strings)."""
     result = json.loads(path.read_text())
-    for key in ("small", "paper"):
-        rows = result["expected"][key]["by_context_len"]
-        result["expected"][key]["by_context_len"] = {int(n): row for n, row in rows.items()}
+    if "flops" not in result:
+        raise SystemExit(f"{path}: written by an earlier version of this script (no FLOPs, two models); "
+                         "its .md and .png are already next to it")
     return result
 
 
 def write_reports(result: dict, stem: Path) -> str:
-    """The Markdown table (returned) and the plot, next to the JSON at `stem`."""
+    """The Markdown tables (returned) and the plot, next to the JSON at `stem`."""
     report = markdown_report(result)
     stem.with_suffix(".md").write_text(report)
     plot_report(result, stem.with_suffix(".png"))
     return report
+
+
+def result_stem(results: Path, start: datetime.datetime, quick: bool) -> str:
+    """`serve_cpu_<date>[_quick]`, with `_HHMM` added when that name is taken (earlier results stay)."""
+    stem = f"serve_cpu_{start:%Y-%m-%d}" + ("_quick" if quick else "")
+    if (results / f"{stem}.json").exists():
+        stem += f"_{start:%H%M}"
+    return stem
+
+
+def expectations(ckpts: dict, context_lens: list[int]) -> dict:
+    from vllm_hysparse.configs import HySparse2Config, HySparseConfig
+
+    small = HySparseConfig.from_pretrained(ckpts["hysparse"])
+    small2 = HySparse2Config.from_pretrained(ckpts["hysparse2"])
+    dense_small = 2 * small.num_key_value_heads * small.head_dim * 4 * small.num_hidden_layers
+    return {"context_lens": context_lens, "dense_bytes_per_token_small": dense_small,
+            "hysparse_small": expected_kv_ratios(small, context_lens, 4, dense_small),
+            "hysparse2_small": expected_kv_ratios(small2, context_lens, 4, dense_small),
+            "hysparse_paper": expected_kv_ratios(paper_config("hysparse"), context_lens, 2),
+            "hysparse2_paper": expected_kv_ratios(paper_config("hysparse2"), context_lens, 2)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -602,34 +887,35 @@ def main(argv: list[str] | None = None) -> int:
         print(write_reports(load_result(args.report_from), args.report_from.with_suffix("")))
         return 0
     start = datetime.datetime.now()
-    stem = f"serve_cpu_{start:%Y-%m-%d}" + ("_quick" if args.quick else "")
+    args.results.mkdir(parents=True, exist_ok=True)
+    stem = result_stem(args.results, start, args.quick)
     work = args.results / "tmp" / stem
     work.mkdir(parents=True, exist_ok=True)
-    ckpts = {"hysparse": ensure_hysparse_checkpoint(args.checkpoints / "hysparse-small")}
-    ckpts["dense"] = ensure_dense_checkpoint(args.checkpoints / "llama-small", ckpts["hysparse"], args.seed)
+    ckpts = {"hysparse": ensure_hysparse_checkpoint(args.checkpoints / SERVERS["hysparse"]["checkpoint"])}
+    ckpts["dense"] = ensure_dense_checkpoint(args.checkpoints / SERVERS["dense"]["checkpoint"], ckpts["hysparse"],
+                                             args.seed)
+    ckpts["hysparse2"] = ensure_hysparse_checkpoint(args.checkpoints / SERVERS["hysparse2"]["checkpoint"], "hysparse2")
+    ckpts["hysparse2-noexit"] = ckpts["hysparse2"]
 
-    from vllm_hysparse.configs import HySparseConfig
-
-    small = HySparseConfig.from_pretrained(ckpts["hysparse"])
     context_lens = sorted(set(args.prompt_lens) | {32768})
-    expected = {"context_lens": context_lens, "small": expected_kv_ratios(small, context_lens, dtype_bytes=4),
-                "paper": expected_kv_ratios(paper_config(), context_lens, dtype_bytes=2),
-                "small_served": {"dense_bytes_per_token_full":
-                                 2 * small.num_key_value_heads * small.head_dim * 4 * small.num_hidden_layers}}
     result = {"date": f"{start:%Y-%m-%d %H:%M}", "command": shlex.join([sys.executable, *sys.argv]),
               "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-              "machine": machine_info(), "expected": expected, "notes": [NOTE_IMPL, NOTE_VLLM_KV], "models": {}}
+              "machine": machine_info(), "expected": expectations(ckpts, context_lens),
+              "flops": {"lens": flops_table(args.prompt_lens), "paper": paper_ratio()},
+              "notes": [NOTE_IMPL, NOTE_PREFIX, NOTE_VLLM_KV], "models": {}}
+    if args.reuse:
+        result["models"].update(reused_records(args.reuse, [m for m in MODELS if m not in args.models]))
     for name in args.models:  # one server at a time
         result["models"][name] = bench_model(name, ckpts[name], args, work)
+    result["models"] = {m: result["models"][m] for m in MODELS if m in result["models"]}
     result["wall_s"] = (datetime.datetime.now() - start).total_seconds()
     result["machine"]["loadavg_1_5_15_at_end"] = os.getloadavg()
 
-    args.results.mkdir(parents=True, exist_ok=True)
     json_path = args.results / f"{stem}.json"
     json_path.write_text(json.dumps(result, indent=2, default=str) + "\n")
     print(write_reports(result, json_path.with_suffix("")))
     print(f"wrote {json_path} (.md, .png) in {result['wall_s'] / 60:.1f} min")
-    return 1 if any(rec["errors"] for rec in result["models"].values()) else 0
+    return 1 if any(rec["errors"] for m, rec in result["models"].items() if m in args.models) else 0
 
 
 if __name__ == "__main__":

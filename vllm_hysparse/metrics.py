@@ -4,7 +4,7 @@
 vLLM's Prometheus registry lives in the API-server process while attention
 runs in a spawned worker, so the worker accumulates a few counters and
 publishes them as a small JSON file in a directory that the first process to
-load our plugin creates (`VLLM_HYSPARSE_METRICS_DIR`, inherited by the engine
+load our plugin creates (`HYSPARSE_METRICS_DIR`, inherited by the engine
 and worker processes it spawns). A collector in every process's default
 registry sums those files when scraped. Each worker publishes within 0.2 s of
 a change, and once more at exit.
@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-METRICS_DIR_ENV = "VLLM_HYSPARSE_METRICS_DIR"
+# Not VLLM_-prefixed: vLLM warns about every VLLM_* variable it does not know.
+METRICS_DIR_ENV = "HYSPARSE_METRICS_DIR"
 FIELDS = ("queries", "pages", "dense_pages")
 _PUBLISH_INTERVAL_S = 0.2
 
