@@ -135,6 +135,9 @@ class HySparseModel(nn.Module):
             h = layer(h, positions, self.rotary_emb, cache, shared, switches)
             if hiddens is not None:
                 hiddens.append(h)
+        if hiddens is not None:
+            # transformers' convention: the last entry is the final normed hidden state.
+            hiddens[-1] = self.norm(h)
         return self.norm(h[:, rows]), tuple(hiddens) if hiddens is not None else None
 
 

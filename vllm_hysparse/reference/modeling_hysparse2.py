@@ -216,6 +216,9 @@ class HySparse2Model(nn.Module):
             h = layer(h, positions, ctx)
             if hiddens is not None:
                 hiddens.append(h)
+        if hiddens is not None:
+            # transformers' convention: the last entry is the final normed hidden state.
+            hiddens[-1] = self.norm(h)
         return self.norm(h[:, rows]), tuple(hiddens) if hiddens is not None else None
 
 
