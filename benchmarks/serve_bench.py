@@ -39,7 +39,7 @@ BENCH_DIR = Path(__file__).resolve().parent
 CHECKPOINT_DIR = BENCH_DIR / "checkpoints"
 RESULTS_DIR = BENCH_DIR / "results"
 sys.path.insert(0, str(BENCH_DIR))  # prefill_flops.py next to this file, however the script is started
-from prefill_flops import PAPER_ANCHOR, flops_table, paper_ratio  # noqa: E402
+from prefill_flops import flops_table, paper_ratio  # noqa: E402
 
 MODELS = ("dense", "hysparse", "hysparse2", "hysparse2-noexit")
 EARLY_EXIT_ENV = "VLLM_HYSPARSE2_EARLY_EXIT"

@@ -950,7 +950,7 @@ def evaluate_targets(res: dict, cfg: Config) -> list:
     target(f"token-sparse ctx={c}: time per key <= 1.5x block-sparse (research doc 5)", per_key, 1.5,
            f"{fmt_num(per_key)}x", higher=False)
     p = get(f"sparse/{c}/block", "pages_max")
-    target(f"block-sparse pages/query <= 73 (research doc 5 d)", p, 73, f"max {fmt_num(p)}", higher=False,
+    target("block-sparse pages/query <= 73 (research doc 5 d)", p, 73, f"max {fmt_num(p)}", higher=False,
            note="window pages not included")
     f = get(f"mqa/{cfg.mqa_ctx}/token", "copy_frac")
     h, g, d = cfg.mqa

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from vllm_hysparse.configs.hysparse2 import FULL, SLIDING, SPARSE, HySparse2Config
+from vllm_hysparse.configs.hysparse2 import SLIDING, SPARSE, HySparse2Config
 from vllm_hysparse.reference import ops
 from vllm_hysparse.reference.layers import (
     MLP,
