@@ -30,28 +30,27 @@ def register() -> None:
 
     Registers our configs with transformers (so vLLM reads HySparse / HySparse2
     `config.json` without `--trust-remote-code`), our model classes with vLLM's
-    registry by lazy "module:Class" strings, and our attention backend's name.
-    Nothing here imports model code or touches a device.
+    registry by lazy "module:Class" strings, our attention backend's name, the
+    HySparse2 config hook (early exit on by default), the prompt-logprobs guard
+    and the pages-per-query metrics collector. No model code is imported and no
+    device is touched.
     """
-    register_transformers()
-    from vllm_hysparse.metrics import register_collector
-
-    register_collector()
     from vllm import ModelRegistry
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
-
+    from vllm_hysparse.compat import install_prompt_logprobs_guard
+    from vllm_hysparse.metrics import register_collector
     from vllm_hysparse.models.config_hooks import HySparse2ConfigUpdater
 
+    register_transformers()
     ModelRegistry.register_model("HySparseForCausalLM", "vllm_hysparse.models.hysparse:HySparseForCausalLM")
     ModelRegistry.register_model("HySparse2ForCausalLM", "vllm_hysparse.models.hysparse2:HySparse2ForCausalLM")
-    MODELS_CONFIG_MAP.setdefault("HySparse2ForCausalLM", HySparse2ConfigUpdater)
-    from vllm_hysparse.compat import install_prompt_logprobs_guard
-
-    install_prompt_logprobs_guard()
     if "HYSPARSE" not in AttentionBackendEnum.__members__:
         register_backend("HYSPARSE", "vllm_hysparse.attention.backend.HySparseAttentionBackend")
+    MODELS_CONFIG_MAP.setdefault("HySparse2ForCausalLM", HySparse2ConfigUpdater)
+    install_prompt_logprobs_guard()
+    register_collector()
 
 
 register_transformers()
