@@ -6,13 +6,15 @@ of the tile, so each gathered K/V tile is loaded once for all of them. The
 program walks the token's selected blocks and gathers each block's keys
 through the block table (a block may span several pages or share one).
 
-`find_request`, `attend_paged_tile`, `check_paged_args` and `launch_config` are
+`find_request`, `attend_paged_tile` and `launch_config` are
 shared with the token-sparse kernel.
 """
 
 import torch
 import triton
 import triton.language as tl
+
+from csrc_triton.paged_args import check_paged_batch
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -172,36 +174,6 @@ def block_sparse_attn_fwd_kernel(
     tl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_hd)
 
 
-def check_paged_args(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, sinks, out):
-    """Shape, dtype and device checks shared by the sparse launchers; returns (out, sinks) ready to launch."""
-    assert q.dim() == 3, f"q: expected [T, H, D], got {tuple(q.shape)}"
-    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, \
-        f"k_cache/v_cache: expected equal [num_pages, G, page, D], got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[1]
-    assert k_cache.shape[3] == head_dim, f"head dim: q has {head_dim}, the cache {k_cache.shape[3]}"
-    assert num_heads % num_kv_heads == 0, f"{num_heads} query heads cannot share {num_kv_heads} KV groups"
-    assert block_table.dim() == 2 and block_table.dtype == torch.int32, "block_table: expected [R, max_pages] int32"
-    num_reqs = seq_lens.shape[0]
-    assert query_start_loc.shape == (num_reqs + 1,) and query_start_loc.dtype == torch.int32, \
-        f"query_start_loc: expected [{num_reqs + 1}] int32"
-    assert seq_lens.dtype == torch.int32, "seq_lens: expected [R] int32"
-    assert block_table.shape[0] >= num_reqs, f"block_table: {block_table.shape[0]} rows for {num_reqs} requests"
-    assert query_start_loc.is_contiguous() and seq_lens.is_contiguous(), "query_start_loc/seq_lens must be contiguous"
-    assert block_table.stride(1) == 1, "block_table rows must be contiguous"
-    if sinks is not None:
-        assert sinks.shape == (num_heads,), f"sinks: expected [{num_heads}], got {tuple(sinks.shape)}"
-        sinks = sinks.to(torch.float32).contiguous()
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    assert out.shape == q.shape and out.dtype == q.dtype, "out: expected q's shape and dtype"
-    tensors = {"k_cache": k_cache, "v_cache": v_cache, "block_table": block_table, "query_start_loc": query_start_loc,
-               "seq_lens": seq_lens, "sinks": sinks, "out": out}
-    for name, x in tensors.items():
-        assert x is None or x.device == q.device, f"{name} is on {x.device}, q on {q.device}"
-    return out, sinks
-
-
 def launch_config(q, head_dim, heads_per_group):
     """The one fixed config: (BLOCK_H, BLOCK_D, largest BLOCK_N, DOT_FP32, num_warps).
 
@@ -241,7 +213,7 @@ def block_sparse_attention(q, k_cache, v_cache, block_table, query_start_loc, se
         `[T, H, D]` in q's dtype. Keys are the selected positions at or before the query;
         rows past `query_start_loc[-1]` and rows with neither keys nor sink are 0.
     """
-    out, sinks = check_paged_args(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, sinks, out)
+    out, sinks = check_paged_batch(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, out, sinks)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     assert block_indices.dim() == 3 and block_indices.shape[:2] == (num_tokens, num_kv_heads), \

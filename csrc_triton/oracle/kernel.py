@@ -17,6 +17,7 @@ import triton.language as tl
 from csrc_triton.oracle.decode import oracle_decode_fwd
 from csrc_triton.oracle.tile import attend_tile, dot_in_fp32, find_request, key_tile
 from csrc_triton.oracle.topk import select_topk
+from csrc_triton.paged_args import check_paged_batch
 
 LOG2E = 1.4426950408889634
 # vLLM's rule for its split-KV decode: use it while requests x KV groups leave the GPU under-filled
@@ -147,38 +148,11 @@ def oracle_fwd_kernel(
 
 
 def check_args(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, sparse_block_size, topk, out):
-    """Shape, dtype and device checks; returns `out`, allocated when None."""
-    assert q.dim() == 3, f"q: expected [T, H, D], got {tuple(q.shape)}"
-    assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), f"q: unsupported dtype {q.dtype}"
-    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, \
-        f"k_cache/v_cache: expected equal [num_pages, G, page_size, D], got {tuple(k_cache.shape)}" \
-        f" / {tuple(v_cache.shape)}"
-    assert k_cache.dtype == q.dtype and v_cache.dtype == q.dtype, \
-        f"k_cache/v_cache must have q's dtype {q.dtype} (got {k_cache.dtype} / {v_cache.dtype})"
-    num_heads, head_dim = q.shape[1:]
-    num_kv_heads = k_cache.shape[1]
-    assert k_cache.shape[3] == head_dim, f"head dim: q has {head_dim}, the cache {k_cache.shape[3]}"
-    assert 16 <= head_dim <= 256, f"head dim {head_dim} not supported (16..256)"
-    assert num_heads % num_kv_heads == 0, f"{num_heads} query heads cannot share {num_kv_heads} KV groups"
+    """The shared paged-batch checks plus the oracle's own; returns `out`, allocated when None."""
     assert sparse_block_size > 0 and sparse_block_size % 16 == 0, \
         f"sparse_block_size must be a positive multiple of 16 (got {sparse_block_size})"
     assert topk >= 1, f"topk must be positive (got {topk})"
-    assert block_table.dim() == 2 and block_table.dtype == torch.int32, "block_table: expected [R, max_pages] int32"
-    assert block_table.stride(1) == 1, "block_table rows must be contiguous"
-    num_reqs = seq_lens.shape[0]
-    assert seq_lens.dim() == 1 and seq_lens.dtype == torch.int32, "seq_lens: expected [R] int32"
-    assert query_start_loc.shape == (num_reqs + 1,) and query_start_loc.dtype == torch.int32, \
-        f"query_start_loc: expected [{num_reqs + 1}] int32"
-    assert query_start_loc.is_contiguous() and seq_lens.is_contiguous(), "query_start_loc/seq_lens must be contiguous"
-    assert block_table.shape[0] >= num_reqs, f"block_table has {block_table.shape[0]} rows for {num_reqs} requests"
-    for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("block_table", block_table),
-                    ("query_start_loc", query_start_loc), ("seq_lens", seq_lens)):
-        assert x.device == q.device, f"{name} is on {x.device}, q on {q.device}"
-    if out is None:
-        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device, \
-        "out: expected q's shape, dtype and device"
-    return out
+    return check_paged_batch(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, out)[0]
 
 
 def default_num_splits(num_tokens, num_reqs, num_kv_heads, max_keys, block_n):

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from csrc_triton.oracle.tile import dot_in_fp32, find_request
+from csrc_triton.paged_args import check_paged_batch
 
 LOG2E = 1.4426950408889634
 # vLLM's rule for its split-KV decode: split while requests x KV groups leave the GPU under-filled
@@ -311,39 +312,12 @@ def token_oracle_score_kernel(
 
 def check_args(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, topk_tokens, recent_window,
                score_head_reduce, out):
-    """Shape, dtype and device checks; returns `out`, allocated when None."""
-    assert q.dim() == 3, f"q: expected [T, H, D], got {tuple(q.shape)}"
-    assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), f"q: unsupported dtype {q.dtype}"
-    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, \
-        f"k_cache/v_cache: expected equal [num_pages, G, page_size, D], got {tuple(k_cache.shape)}" \
-        f" / {tuple(v_cache.shape)}"
-    assert k_cache.dtype == q.dtype and v_cache.dtype == q.dtype, \
-        f"k_cache/v_cache must have q's dtype {q.dtype} (got {k_cache.dtype} / {v_cache.dtype})"
-    num_heads, head_dim = q.shape[1:]
-    num_kv_heads = k_cache.shape[1]
-    assert k_cache.shape[3] == head_dim, f"head dim: q has {head_dim}, the cache {k_cache.shape[3]}"
-    assert 16 <= head_dim <= 256, f"head dim {head_dim} not supported (16..256)"
-    assert num_heads % num_kv_heads == 0, f"{num_heads} query heads cannot share {num_kv_heads} KV groups"
+    """The shared paged-batch checks plus the token oracle's own; returns `out`, allocated when None."""
     assert topk_tokens >= 0 and recent_window >= 0 and topk_tokens + recent_window >= 1, \
         f"need topk_tokens, recent_window >= 0 with a positive sum (got {topk_tokens}, {recent_window})"
     if score_head_reduce not in ("max", "sum"):
         raise ValueError(f"score_head_reduce: must be 'max' or 'sum' (got {score_head_reduce!r})")
-    assert block_table.dim() == 2 and block_table.dtype == torch.int32, "block_table: expected [R, max_pages] int32"
-    assert block_table.stride(1) == 1, "block_table rows must be contiguous"
-    num_reqs = seq_lens.shape[0]
-    assert seq_lens.dim() == 1 and seq_lens.dtype == torch.int32, "seq_lens: expected [R] int32"
-    assert query_start_loc.shape == (num_reqs + 1,) and query_start_loc.dtype == torch.int32, \
-        f"query_start_loc: expected [{num_reqs + 1}] int32"
-    assert query_start_loc.is_contiguous() and seq_lens.is_contiguous(), "query_start_loc/seq_lens must be contiguous"
-    assert block_table.shape[0] >= num_reqs, f"block_table has {block_table.shape[0]} rows for {num_reqs} requests"
-    for name, x in (("k_cache", k_cache), ("v_cache", v_cache), ("block_table", block_table),
-                    ("query_start_loc", query_start_loc), ("seq_lens", seq_lens)):
-        assert x.device == q.device, f"{name} is on {x.device}, q on {q.device}"
-    if out is None:
-        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device, \
-        "out: expected q's shape, dtype and device"
-    return out
+    return check_paged_batch(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, out)[0]
 
 
 def default_num_splits(num_tokens, num_reqs, num_kv_heads, max_keys, block_n):

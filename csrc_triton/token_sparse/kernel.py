@@ -11,7 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from csrc_triton.block_sparse.kernel import LOG2E, attend_paged_tile, check_paged_args, find_request, launch_config
+from csrc_triton.block_sparse.kernel import LOG2E, attend_paged_tile, find_request, launch_config
+from csrc_triton.paged_args import check_paged_batch
 
 
 @triton.jit
@@ -122,7 +123,7 @@ def token_sparse_attention(q, k_cache, v_cache, block_table, query_start_loc, se
         `[T, H, D]` in q's dtype. Positions after the query are ignored; rows past
         `query_start_loc[-1]` and rows with neither keys nor sink are 0.
     """
-    out, sinks = check_paged_args(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, sinks, out)
+    out, sinks = check_paged_batch(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, out, sinks)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     assert token_indices.dim() == 3 and token_indices.shape[:2] == (num_tokens, num_kv_heads), \
