@@ -83,7 +83,10 @@ class HySparseAttentionBackend(AttentionBackend):
 
 @dataclass
 class HySparseMetadata:
-    """What the PyTorch path needs of one step; host tensors where it loops over requests."""
+    """One step's batch layout: device tensors for the kernels, host copies where PyTorch loops over requests.
+
+    KV writes get their slots from vLLM directly (`do_kv_cache_update`).
+    """
 
     num_actual_tokens: int
     query_start_loc: torch.Tensor  # [num_reqs + 1] int32, on the device
@@ -91,7 +94,6 @@ class HySparseMetadata:
     query_start_loc_cpu: torch.Tensor  # [num_reqs + 1]
     seq_lens_cpu: torch.Tensor  # [num_reqs]
     block_table: torch.Tensor  # [num_reqs, max_pages]
-    slot_mapping: torch.Tensor  # [num_tokens]
 
 
 class HySparseMetadataBuilder(AttentionMetadataBuilder[HySparseMetadata]):
@@ -108,7 +110,6 @@ class HySparseMetadataBuilder(AttentionMetadataBuilder[HySparseMetadata]):
             query_start_loc_cpu=m.query_start_loc_cpu,
             seq_lens_cpu=m.seq_lens.cpu(),
             block_table=m.block_table_tensor,
-            slot_mapping=m.slot_mapping,
         )
 
 
@@ -137,10 +138,6 @@ class TokenSelection:
     topk: int
     window: int
     reduce: str
-
-    @property
-    def width(self) -> int:
-        return self.topk + self.window
 
 
 class HySparseAttentionImpl(AttentionImpl):
