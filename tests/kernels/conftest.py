@@ -114,3 +114,23 @@ def dense_causal(batch, q, scale, sinks):
 def nan_like(x: torch.Tensor) -> torch.Tensor:
     """An output buffer full of NaN: a kernel must overwrite every element."""
     return torch.full_like(x, float("nan"))
+
+
+@dataclass
+class Case:
+    """A paged batch shape for the oracle and block-sparse kernel tests."""
+
+    q_lens: list[int]
+    seq_lens: list[int]
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    page_size: int = 16
+    block_size: int = 16
+    topk: int = 3
+    layout: str = "hnd"
+    pad_tokens: int = 0
+
+    def __str__(self):
+        return (f"q{self.q_lens}-s{self.seq_lens}-H{self.num_heads}-G{self.num_kv_heads}-D{self.head_dim}"
+                f"-P{self.page_size}-B{self.block_size}-K{self.topk}-{self.layout}").replace(" ", "")

@@ -1,33 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """Block-sparse paged attention: naive vs the dense reference ops, Triton vs naive, all blocks vs dense."""
 
-from dataclasses import dataclass
 
 import pytest
 import torch
 
 from csrc_triton.block_sparse import block_sparse_attention, block_sparse_attention_naive
-from tests.kernels.conftest import DEVICE, dense_causal, make_paged_batch, nan_like
+from tests.kernels.conftest import DEVICE, Case, dense_causal, make_paged_batch, nan_like
 from vllm_hysparse.reference import ops
-
-
-@dataclass
-class Case:
-    q_lens: list[int]
-    seq_lens: list[int]
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = 32
-    page_size: int = 16
-    block_size: int = 16
-    topk: int = 3
-    layout: str = "hnd"
-    pad_tokens: int = 0
-
-    def __str__(self):
-        return (f"q{self.q_lens}-s{self.seq_lens}-H{self.num_heads}-G{self.num_kv_heads}-D{self.head_dim}"
-                f"-P{self.page_size}-B{self.block_size}-K{self.topk}-{self.layout}").replace(" ", "")
-
 
 CASES = [
     # prefill, chunked prefill and decode rows in one batch; lengths around block and page ends

@@ -1,34 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """Oracle attention: the naive paged version against the dense reference ops, the Triton kernels against the naive."""
 
-from dataclasses import dataclass
 
 import pytest
 import torch
 
 from csrc_triton.oracle import oracle_attention, oracle_attention_naive
 from csrc_triton.oracle.kernel import oracle_fwd
-from tests.kernels.conftest import DEVICE, make_paged_batch, nan_like
+from tests.kernels.conftest import DEVICE, Case, make_paged_batch, nan_like
 from vllm_hysparse.reference import ops
-
-
-@dataclass
-class Case:
-    q_lens: list[int]
-    seq_lens: list[int]
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = 32
-    page_size: int = 16
-    block_size: int = 16
-    topk: int = 3
-    layout: str = "hnd"
-    pad_tokens: int = 0
-
-    def __str__(self):
-        return (f"q{self.q_lens}-s{self.seq_lens}-H{self.num_heads}-G{self.num_kv_heads}-D{self.head_dim}"
-                f"-P{self.page_size}-B{self.block_size}-K{self.topk}-{self.layout}").replace(" ", "")
-
 
 CASES = [
     # prefill (q_len = seq_len), chunked prefill and two decodes; lengths B*k, B*k - 1, B + 1, 2B + 1
