@@ -1,0 +1,50 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Block-sparse paged attention as batched PyTorch: the CPU serving path (same contract as the kernel).
+
+Decode rows of all requests gather their selected blocks' keys together; a
+prefill run attends its own keys under the block mask (see `paged_batch`).
+"""
+
+import torch
+
+from csrc_triton.paged_args import check_paged_batch
+from csrc_triton.paged_batch import BatchPlan, plan_or_make, sparse_attention
+
+
+def block_positions(blocks: torch.Tensor, pos: torch.Tensor, block_size: int):
+    """`[n, G, K]` block ids and row positions `[n]` -> key positions and validity, both `[n, G, K * block_size]`."""
+    blocks = blocks.long()
+    positions = (blocks[..., None] * block_size + torch.arange(block_size, device=blocks.device)).flatten(2)
+    valid = (blocks >= 0).repeat_interleave(block_size, dim=2) & (positions <= pos[:, None, None])
+    return positions, valid
+
+
+def block_mask(blocks: torch.Tensor, pos: torch.Tensor, block_size: int, num_keys: int) -> torch.Tensor:
+    """`[n, G, K]` block ids and row positions `[n]` -> `[n, G, num_keys]` bool: key j in a selected block, j <= pos."""
+    num_blocks = -(-num_keys // block_size)
+    blocks = blocks.long()
+    slots = torch.where((blocks >= 0) & (blocks < num_blocks), blocks, num_blocks)
+    hit = torch.zeros(*blocks.shape[:2], num_blocks + 1, dtype=torch.bool, device=blocks.device)
+    hit.scatter_(-1, slots, True)
+    j = torch.arange(num_keys, device=blocks.device)
+    return hit[..., j // block_size] & (j <= pos[:, None, None])
+
+
+def block_sparse_attention_batched(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, block_indices, *,
+                                   scale, sparse_block_size, sinks=None, out=None, plan: BatchPlan | None = None):
+    """`block_sparse_attention` in batched PyTorch; `plan` (from `make_plan`) spares the host read of the batch."""
+    out, sinks = check_paged_batch(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, out, sinks)
+    plan = plan_or_make(plan, query_start_loc, seq_lens, q.shape[0])
+    num_kv_heads = k_cache.shape[1]
+    group_sinks = None if sinks is None else sinks.view(num_kv_heads, -1)
+    out[plan.num_tokens:].zero_()
+
+    def select(rows):
+        return block_positions(block_indices[rows], plan.row_pos[rows], sparse_block_size)
+
+    def mask(start, end, num_keys):
+        return block_mask(block_indices[start:end], plan.row_pos[start:end], sparse_block_size, num_keys)
+
+    sparse_attention(q, k_cache, v_cache, block_table, plan, out, scale=scale, sinks=group_sinks,
+                     width=block_indices.shape[-1] * sparse_block_size, select=select, mask=mask)
+    return out

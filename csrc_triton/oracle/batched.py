@@ -1,0 +1,52 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Oracle attention as batched PyTorch: the CPU serving path (same contract as `oracle_attention`).
+
+One set of logits gives both the exact output and the block maxima of Eq. 3,
+so every key is scored once. Decode rows of all requests run together.
+"""
+
+import torch
+
+from csrc_triton.oracle.naive import top_blocks
+from csrc_triton.paged_args import check_paged_batch
+from csrc_triton.paged_batch import BatchPlan, causal_attention, oracle_attention_rows, plan_or_make
+
+
+def attend_and_score(q, k, v, limit, scale: float, sparse_block_size: int, topk: int):
+    """Causal attention plus the oracle's top-k blocks (SPEC §3.1).
+
+    Args:
+        q: `[b, G, r, P, D]`; k, v: `[b, G, S, D]` float32; limit: `[b, r]` each row's position.
+    Returns:
+        o `[b, G, r, P, D]` float32 and block ids `[b, r, G, topk]` (ascending, -1 padded).
+    """
+    b, g, r = q.shape[:3]
+    z, lse, _, o = causal_attention(q, k, v, limit, scale)
+    s = z.shape[-1]
+    num_blocks = -(-s // sparse_block_size)
+    if num_blocks * sparse_block_size != s:
+        z = torch.nn.functional.pad(z, (0, num_blocks * sparse_block_size - s), value=float("-inf"))
+    u = z.view(*z.shape[:-1], num_blocks, sparse_block_size).amax(dim=-1)  # [b, G, r, P, NB] block maxima
+    scores = torch.exp(u - lse).amax(dim=3)  # [b, G, r, NB]: S = exp(u - lse), max over the group's heads
+    starts = torch.arange(num_blocks, device=q.device) * sparse_block_size
+    visible = starts[None, None, :] <= limit[:, :, None]  # [b, r, NB]
+    ids = top_blocks(scores.transpose(1, 2).reshape(b * r, g, num_blocks), visible.reshape(b * r, num_blocks), topk)
+    return o, ids.view(b, r, g, topk)
+
+
+def oracle_attention_batched(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, *, scale,
+                             sparse_block_size, topk, out=None, plan: BatchPlan | None = None):
+    """`oracle_attention` in batched PyTorch; `plan` (from `make_plan`) spares the host read of the batch layout.
+
+    Returns out `[T, H, D]` and indices `[T, G, topk]` int32; rows past the last request get 0 and -1.
+    """
+    out, _ = check_paged_batch(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, out)
+    plan = plan_or_make(plan, query_start_loc, seq_lens, q.shape[0])
+    indices = torch.full((q.shape[0], k_cache.shape[1], topk), -1, dtype=torch.int32, device=q.device)
+    out[plan.num_tokens:].zero_()
+
+    def attend(qg, k, v, limit):
+        return attend_and_score(qg, k, v, limit, scale, sparse_block_size, topk)
+
+    oracle_attention_rows(q, k_cache, v_cache, block_table, plan, out, indices, attend)
+    return out, indices

@@ -1,0 +1,318 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The batch plan and paged gathers shared by the batched PyTorch twins (`*/batched.py`).
+
+A vLLM step mixes decode rows (requests with one query row) and prefill runs
+(requests with several). The batched twins treat all decode rows together, in
+a few tensor ops, and each prefill run with matrix products over its own
+keys. Which rows are which is host knowledge: `make_plan` computes it once per
+step (vLLM's metadata builder calls it), so the attention forward needs no
+host value at all. Called without a plan, a twin builds one itself (one host
+read of `query_start_loc` and `seq_lens`; fine for tests, not for serving).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+# Floats one gathered or scored tensor may hold; bounds the rows handled at once.
+ELEMENT_BUDGET = 1 << 24
+
+
+@dataclass(frozen=True)
+class PrefillRun:
+    """Rows `[start, end)` of request `req`: the last `end - start` of its `seq_len` positions."""
+
+    req: int
+    start: int
+    end: int
+    seq_len: int
+
+    @property
+    def first_pos(self) -> int:
+        return self.seq_len - (self.end - self.start)
+
+
+@dataclass
+class BatchPlan:
+    """Where each query row of a step sits; device tensors plus the host sizes that shape the work.
+
+    Attributes:
+        num_tokens: rows that belong to a request (`query_start_loc[-1]`, capped at the batch).
+        row_pos: `[num_tokens]` int64 absolute position of every row.
+        decode_rows: `[Nd]` int64 rows of the requests with a single query row.
+        decode_reqs: `[Nd]` int64 their requests; `decode_lens` `[Nd]` int64 their sequence lengths.
+        max_decode_len: the longest of those sequences (0 without decode rows).
+        prefills: the requests with several query rows.
+    """
+
+    num_tokens: int
+    row_pos: torch.Tensor
+    decode_rows: torch.Tensor
+    decode_reqs: torch.Tensor
+    decode_lens: torch.Tensor
+    max_decode_len: int
+    prefills: tuple[PrefillRun, ...]
+
+    @property
+    def num_decodes(self) -> int:
+        return self.decode_rows.shape[0]
+
+
+def make_plan(query_start_loc_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor, num_tokens: int,
+              device: torch.device) -> BatchPlan:
+    """Host tensors `[R + 1]` and `[R]` of a step -> its plan, with device tensors on `device`."""
+    starts, lens = query_start_loc_cpu.tolist(), seq_lens_cpu.tolist()
+    num_tokens = min(num_tokens, starts[-1]) if starts else 0
+    row_pos, decodes, prefills = [], [], []
+    for r, seq_len in enumerate(lens):
+        start, end = starts[r], min(starts[r + 1], num_tokens)
+        if end <= start:
+            continue
+        row_pos.append(torch.arange(seq_len - (end - start), seq_len))
+        if end - start == 1:
+            decodes.append((start, r, seq_len))
+        else:
+            prefills.append(PrefillRun(r, start, end, seq_len))
+    dec = torch.tensor(decodes, dtype=torch.long).view(-1, 3)
+    pos = torch.cat(row_pos) if row_pos else torch.zeros(0, dtype=torch.long)
+    return BatchPlan(
+        num_tokens=num_tokens,
+        row_pos=pos.to(device, non_blocking=True),
+        decode_rows=dec[:, 0].to(device, non_blocking=True),
+        decode_reqs=dec[:, 1].to(device, non_blocking=True),
+        decode_lens=dec[:, 2].to(device, non_blocking=True),
+        max_decode_len=int(dec[:, 2].max()) if len(decodes) else 0,
+        prefills=tuple(prefills),
+    )
+
+
+def plan_or_make(plan: BatchPlan | None, query_start_loc, seq_lens, num_tokens: int) -> BatchPlan:
+    """`plan`, or one computed from the device tensors (a host read: standalone use only)."""
+    if plan is not None:
+        return plan
+    return make_plan(query_start_loc.cpu(), seq_lens.cpu(), num_tokens, query_start_loc.device)
+
+
+def chunks(n: int, size: int):
+    """`(start, end)` pairs covering `[0, n)` in steps of `size` (at least 1)."""
+    size = max(1, size)
+    for s in range(0, n, size):
+        yield s, min(s + size, n)
+
+
+def gather_request(cache: torch.Tensor, block_table_row: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """`[num_pages, G, page, D]` cache -> `[G, num_keys, D]` float32 for positions `[0, num_keys)` of one request."""
+    page = cache.shape[2]
+    pages = block_table_row[: -(-num_keys // page)].long()
+    x = cache[pages].transpose(0, 1).reshape(cache.shape[1], -1, cache.shape[3])  # [G, pages * page, D]
+    return x[:, :num_keys].float()
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, reqs: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """Positions `[0, num_keys)` of several requests: `reqs [n]` -> `[n, G, num_keys, D]` float32.
+
+    Positions past a request's own length hold whatever its pages hold: callers mask them.
+    """
+    page = cache.shape[2]
+    pages = block_table[reqs, : -(-num_keys // page)].long()  # [n, P]
+    x = cache[pages]  # [n, P, G, page, D]
+    x = x.transpose(1, 2).reshape(reqs.shape[0], cache.shape[1], -1, cache.shape[3])
+    return x[:, :, :num_keys].float()
+
+
+def gather_rows(cache: torch.Tensor, block_table: torch.Tensor, reqs: torch.Tensor,
+                positions: torch.Tensor) -> torch.Tensor:
+    """Per-row key positions `[n, G, S]` (valid, >= 0) of requests `reqs [n]` -> `[n, G, S, D]` float32."""
+    page = cache.shape[2]
+    pages = block_table[reqs[:, None, None], positions // page].long()
+    groups = torch.arange(cache.shape[1], device=cache.device)[None, :, None]
+    return cache[pages, groups, positions % page].float()
+
+
+def sink_softmax(z: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim with an optional sink logit in the denominator.
+
+    Args:
+        z: `[..., S]` float32 logits, -inf where a key is not attended.
+        sinks: float32 broadcastable to `z[..., 0]`, or None.
+    Returns:
+        `[..., S]` probabilities; a row with neither keys nor sink is all 0.
+    """
+    m = z.amax(dim=-1, keepdim=True)
+    if sinks is not None:
+        m = torch.maximum(m, sinks[..., None])
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = torch.exp(z - m)
+    den = e.sum(dim=-1, keepdim=True)
+    if sinks is not None:
+        den = den + torch.exp(sinks[..., None] - m)
+    return e / den.clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def grouped_logits(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """GQA logits as one batched matrix product per KV group.
+
+    Args:
+        q: `[b, G, M, D]` float32 (M = rows x heads per group).
+        k: `[b, G, S, D]` float32.
+    Returns:
+        `[b, G, M, S]` float32.
+    """
+    return torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
+
+
+def group_queries(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """`[n, H, D]` rows -> `[G, n, P, D]` float32, P = H / G heads per group (head h is in group h // P)."""
+    n, num_heads, head_dim = q.shape
+    return q.float().view(n, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)
+
+
+def attend_positions(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                     reqs: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, scale: float,
+                     sinks: torch.Tensor | None) -> torch.Tensor:
+    """Sink attention of each row over its own gathered keys (the sparse roles' decode path).
+
+    Args:
+        q: `[n, H, D]` rows of requests `reqs [n]` (int64).
+        positions: `[n, G, S]` int64 key positions; `valid [n, G, S]` bool marks the attended ones.
+        sinks: `[G, P]` float32 sink logits, or None.
+    Returns:
+        `[n, H, D]` float32.
+    """
+    n, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    positions = torch.where(valid, positions, 0)  # position 0 always holds data: no NaN from unwritten slots
+    k = gather_rows(k_cache, block_table, reqs, positions)
+    v = gather_rows(v_cache, block_table, reqs, positions)
+    qg = q.float().view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    z = grouped_logits(qg, k, scale).masked_fill_(~valid[:, :, None, :], float("-inf"))  # [n, G, P, S]
+    p = sink_softmax(z, sinks)
+    return torch.matmul(p, v).view(n, num_heads, head_dim)
+
+
+def attend_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor, scale: float,
+                  sinks: torch.Tensor | None) -> torch.Tensor:
+    """Sink attention of one request's rows over its keys under a per-row key mask (the sparse roles' prefill path).
+
+    Dense matrix products over all `S` keys: on a CPU they beat gathering each
+    row's keys until the context is many times the selection.
+
+    Args:
+        q: `[n, H, D]`; k, v: `[G, S, D]` float32 (the request's keys `[0, S)`).
+        key_mask: `[n, G, S]` bool, True where row i attends key j.
+        sinks: `[G, P]` float32, or None.
+    Returns:
+        `[n, H, D]` float32.
+    """
+    n, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[0]
+    per_group = num_heads // num_kv_heads
+    qg = group_queries(q, num_kv_heads).reshape(num_kv_heads, n * per_group, head_dim)
+    z = grouped_logits(qg, k, scale).view(num_kv_heads, n, per_group, -1)
+    z.masked_fill_(~key_mask.transpose(0, 1)[:, :, None, :], float("-inf"))
+    p = sink_softmax(z, None if sinks is None else sinks[:, None, :])
+    o = torch.matmul(p.view(num_kv_heads, n * per_group, -1), v)  # [G, n * P, D]
+    return o.view(num_kv_heads, n, per_group, head_dim).transpose(0, 1).reshape(n, num_heads, head_dim)
+
+
+# A prefill run gathers its rows' selected keys (instead of masking all of its
+# keys) once its context is this many times the selection width.
+GATHER_FACTOR = 8
+
+
+def sparse_attention(q, k_cache, v_cache, block_table, plan: BatchPlan, out, *, scale: float, sinks, width: int,
+                     select, mask) -> None:
+    """Drive a sparse role over a step: decode rows together, each prefill run by matrix products.
+
+    Args:
+        q: `[T, H, D]`; out: `[T, H, D]`, rows `[0, plan.num_tokens)` are written.
+        sinks: `[G, P]` float32 or None.
+        width: keys a row selects per KV group.
+        select: `rows [n] -> (positions, valid)`, both `[n, G, width]`.
+        mask: `(start, end, num_keys) -> [end - start, G, num_keys]` bool key mask of rows `[start, end)`.
+    """
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = k_cache.shape[1]
+    rows_per_chunk = ELEMENT_BUDGET // (num_kv_heads * width * (2 * head_dim + num_heads // num_kv_heads))
+
+    def gathered(rows, reqs):
+        positions, valid = select(rows)
+        o = attend_positions(q[rows], k_cache, v_cache, block_table, reqs, positions, valid, scale, sinks)
+        out[rows] = o.to(out.dtype)
+
+    for s, e in chunks(plan.num_decodes, rows_per_chunk):
+        gathered(plan.decode_rows[s:e], plan.decode_reqs[s:e])
+    for run in plan.prefills:
+        if run.seq_len > GATHER_FACTOR * width:
+            for s, e in chunks(run.end - run.start, rows_per_chunk):
+                rows = torch.arange(run.start + s, run.start + e, device=q.device)
+                gathered(rows, torch.full_like(rows, run.req))
+            continue
+        k = gather_request(k_cache, block_table[run.req], run.seq_len)
+        v = gather_request(v_cache, block_table[run.req], run.seq_len)
+        for s, e in chunks(run.end - run.start, ELEMENT_BUDGET // (2 * num_heads * run.seq_len)):
+            a, b = run.start + s, run.start + e
+            num_keys = run.first_pos + (b - run.start)
+            o = attend_masked(q[a:b], k[:, :num_keys], v[:, :num_keys], mask(a, b, num_keys), scale, sinks)
+            out[a:b] = o.to(out.dtype)
+
+
+def oracle_attention_rows(q, k_cache, v_cache, block_table, plan: BatchPlan, out, indices, attend) -> None:
+    """Drive an oracle role over a step: exact causal attention plus a per-row selection.
+
+    Decode rows are handled together over their requests' keys padded to the
+    longest; each prefill run over its own keys, in row chunks.
+
+    Args:
+        q: `[T, H, D]`; out `[T, H, D]` and indices `[T, G, width]`: rows `[0, plan.num_tokens)` are written.
+        attend: `(q [b, G, r, P, D], k [b, G, S, D], v, limit [b, r]) -> (o [b, G, r, P, D],
+            ids [b, r, G, width])`, where row i of batch b sees keys `j <= limit[b, i]`.
+    """
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = k_cache.shape[1]
+    per_group = num_heads // num_kv_heads
+
+    def write(rows, o, ids):
+        out[rows] = o.permute(0, 2, 1, 3, 4).reshape(-1, num_heads, head_dim).to(out.dtype)
+        indices[rows] = ids.reshape(-1, *indices.shape[1:]).to(indices.dtype)
+
+    if plan.num_decodes:
+        num_keys = plan.max_decode_len
+        per_req = num_keys * (2 * num_kv_heads * head_dim + 3 * num_heads)
+        for s, e in chunks(plan.num_decodes, ELEMENT_BUDGET // per_req):
+            rows, reqs, lens = plan.decode_rows[s:e], plan.decode_reqs[s:e], plan.decode_lens[s:e]
+            k = gather_context(k_cache, block_table, reqs, num_keys)
+            v = gather_context(v_cache, block_table, reqs, num_keys)
+            # keys past a shorter request's end are other data (or never written): no weight, no NaN
+            past = torch.arange(num_keys, device=q.device)[None, None, :, None] >= lens[:, None, None, None]
+            v.masked_fill_(past, 0.0)
+            qg = q[rows].float().view(-1, num_kv_heads, 1, per_group, head_dim)
+            write(rows, *attend(qg, k, v, (lens - 1)[:, None]))
+    for run in plan.prefills:
+        k = gather_request(k_cache, block_table[run.req], run.seq_len)[None]
+        v = gather_request(v_cache, block_table[run.req], run.seq_len)[None]
+        for s, e in chunks(run.end - run.start, ELEMENT_BUDGET // (3 * num_heads * run.seq_len)):
+            a, b = run.start + s, run.start + e
+            num_keys = run.first_pos + (b - run.start)
+            qg = group_queries(q[a:b], num_kv_heads)[None]  # [1, G, r, P, D]
+            write(slice(a, b), *attend(qg, k[:, :, :num_keys], v[:, :, :num_keys], plan.row_pos[a:b][None]))
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limit: torch.Tensor, scale: float):
+    """Exact causal GQA attention that keeps its logits (the oracles select from the same scores).
+
+    Args:
+        q: `[b, G, r, P, D]` float32; k, v: `[b, G, S, D]` float32; limit: `[b, r]` last visible key of each row.
+    Returns:
+        logits z `[b, G, r, P, S]` (-inf past the limit), lse `[b, G, r, P, 1]`, probabilities of z's shape,
+        and the output `[b, G, r, P, D]`.
+    """
+    b, g, r, p, d = q.shape
+    s = k.shape[2]
+    z = grouped_logits(q.reshape(b, g, r * p, d), k, scale).view(b, g, r, p, s)
+    j = torch.arange(s, device=q.device)
+    z.masked_fill_(j > limit[:, None, :, None, None], float("-inf"))
+    lse = torch.logsumexp(z, dim=-1, keepdim=True)
+    probs = torch.exp(z - lse)
+    o = torch.matmul(probs.view(b, g, r * p, s), v).view(b, g, r, p, d)
+    return z, lse, probs, o

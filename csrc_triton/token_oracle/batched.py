@@ -1,0 +1,85 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Token oracle attention as batched PyTorch: the CPU serving path (same contract as `token_oracle_attention`).
+
+The exact probabilities of the output also rank the tokens, so every key is
+scored once. Decode rows of all requests run together. The top-k is a
+`torch.topk` threshold plus an ordered tie fill, which keeps SPEC's tie rule
+(smaller position first) without sorting every row.
+"""
+
+import torch
+
+from csrc_triton.paged_args import check_paged_batch
+from csrc_triton.paged_batch import BatchPlan, causal_attention, oracle_attention_rows, plan_or_make
+
+REDUCES = ("max", "sum")
+
+
+def select_tokens(r: torch.Tensor, pos: torch.Tensor, topk_tokens: int, recent_window: int) -> torch.Tensor:
+    """`S_t = sorted(W_t ∪ top-k of r outside W_t)` for every row (SPEC §3.3).
+
+    Args:
+        r: `[N, G, S]` float32 reduced probabilities over keys `[0, S)`, finite.
+        pos: `[N]` int64 query positions (< S).
+    Returns:
+        `[N, G, topk_tokens + recent_window]` int64 positions, ascending, -1 padded.
+    """
+    n, g, s = r.shape
+    width = topk_tokens + recent_window
+    j = torch.arange(s, device=r.device)
+    window_start = pos - recent_window + 1
+    chosen = ((j[None, :] >= window_start[:, None]) & (j[None, :] <= pos[:, None]))[:, None, :].repeat(1, g, 1)
+    if topk_tokens > 0 and s > 0:
+        candidate = (j[None, :] < window_start[:, None])[:, None, :]  # j <= t and outside W_t
+        keyed = r.masked_fill(~candidate, float("-inf"))
+        k = min(topk_tokens, s)
+        kth = keyed.topk(k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)  # k-th largest (-inf: < k)
+        above = keyed > kth
+        tie = (keyed == kth) & candidate
+        missing = k - above.sum(dim=-1, keepdim=True)
+        chosen |= above | (tie & (tie.cumsum(dim=-1) <= missing))  # ties fill in position order
+    # compact the chosen positions, in order, into `width` slots (slot `width` collects the rest)
+    slot = torch.where(chosen, chosen.cumsum(dim=-1) - 1, width)
+    ids = torch.full((n, g, width + 1), -1, dtype=torch.long, device=r.device)
+    ids.scatter_(-1, slot, j.expand(n, g, s))
+    ids[..., width] = -1
+    return ids[..., :width]
+
+
+def attend_and_select(q, k, v, limit, scale: float, topk_tokens: int, recent_window: int, reduce: str):
+    """Causal attention plus the token selection S_t.
+
+    Args:
+        q: `[b, G, r, P, D]`; k, v: `[b, G, S, D]` float32; limit: `[b, r]` each row's position.
+    Returns:
+        o `[b, G, r, P, D]` float32 and positions `[b, r, G, topk_tokens + recent_window]`.
+    """
+    b, g, r = q.shape[:3]
+    _, _, probs, o = causal_attention(q, k, v, limit, scale)
+    reduced = probs.amax(dim=3) if reduce == "max" else probs.sum(dim=3)  # [b, G, r, S]
+    s = reduced.shape[-1]
+    ids = select_tokens(reduced.transpose(1, 2).reshape(b * r, g, s), limit.reshape(-1), topk_tokens, recent_window)
+    return o, ids.view(b, r, g, -1)
+
+
+def token_oracle_attention_batched(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, *, scale,
+                                   topk_tokens, recent_window, score_head_reduce="max", out=None,
+                                   plan: BatchPlan | None = None):
+    """`token_oracle_attention` in batched PyTorch; `plan` (from `make_plan`) spares the host read of the batch.
+
+    Returns out `[T, H, D]` and positions `[T, G, topk_tokens + recent_window]` int32; rows past the last
+    request get 0 and -1.
+    """
+    if score_head_reduce not in REDUCES:
+        raise ValueError(f"score_head_reduce: must be 'max' or 'sum' (got {score_head_reduce!r})")
+    out, _ = check_paged_batch(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, out)
+    plan = plan_or_make(plan, query_start_loc, seq_lens, q.shape[0])
+    width = topk_tokens + recent_window
+    indices = torch.full((q.shape[0], k_cache.shape[1], width), -1, dtype=torch.int32, device=q.device)
+    out[plan.num_tokens:].zero_()
+
+    def attend(qg, k, v, limit):
+        return attend_and_select(qg, k, v, limit, scale, topk_tokens, recent_window, score_head_reduce)
+
+    oracle_attention_rows(q, k_cache, v_cache, block_table, plan, out, indices, attend)
+    return out, indices

@@ -1,0 +1,45 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Token-sparse paged attention as batched PyTorch: the CPU serving path (same contract as the kernel).
+
+Decode rows of all requests gather their selected tokens together; a prefill
+run attends its own keys under the token mask (see `paged_batch`).
+"""
+
+import torch
+
+from csrc_triton.paged_args import check_paged_batch
+from csrc_triton.paged_batch import BatchPlan, plan_or_make, sparse_attention
+
+
+def token_positions(tokens: torch.Tensor, pos: torch.Tensor):
+    """`[n, G, S]` selected positions and row positions `[n]` -> positions and validity (`-1` and `> pos` dropped)."""
+    tokens = tokens.long()
+    return tokens, (tokens >= 0) & (tokens <= pos[:, None, None])
+
+
+def token_mask(tokens: torch.Tensor, pos: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """`[n, G, S]` selected positions, row positions `[n]` -> `[n, G, num_keys]` bool mask of the attended keys."""
+    positions, valid = token_positions(tokens, pos)
+    slots = torch.where(valid & (positions < num_keys), positions, num_keys)
+    hit = torch.zeros(*tokens.shape[:2], num_keys + 1, dtype=torch.bool, device=tokens.device)
+    return hit.scatter_(-1, slots, True)[..., :num_keys]
+
+
+def token_sparse_attention_batched(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, token_indices, *,
+                                   scale, sinks=None, out=None, plan: BatchPlan | None = None):
+    """`token_sparse_attention` in batched PyTorch; `plan` (from `make_plan`) spares the host read of the batch."""
+    out, sinks = check_paged_batch(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, out, sinks)
+    plan = plan_or_make(plan, query_start_loc, seq_lens, q.shape[0])
+    num_kv_heads = k_cache.shape[1]
+    group_sinks = None if sinks is None else sinks.view(num_kv_heads, -1)
+    out[plan.num_tokens:].zero_()
+
+    def select(rows):
+        return token_positions(token_indices[rows], plan.row_pos[rows])
+
+    def mask(start, end, num_keys):
+        return token_mask(token_indices[start:end], plan.row_pos[start:end], num_keys)
+
+    sparse_attention(q, k_cache, v_cache, block_table, plan, out, scale=scale, sinks=group_sinks,
+                     width=token_indices.shape[-1], select=select, mask=mask)
+    return out

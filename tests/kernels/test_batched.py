@@ -1,0 +1,145 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The batched PyTorch twins (the CPU serving path) against the per-request naive twins, on every kernel test shape.
+
+Both the gathered path (decode rows, long prefill runs) and the masked path
+(short prefill runs) are run; outputs are poisoned with NaN first.
+"""
+
+import pytest
+import torch
+
+import csrc_triton.paged_batch as paged_batch
+from csrc_triton.block_sparse import block_sparse_attention_naive
+from csrc_triton.block_sparse.batched import block_sparse_attention_batched
+from csrc_triton.oracle import oracle_attention_naive
+from csrc_triton.oracle.batched import oracle_attention_batched
+from csrc_triton.paged_batch import make_plan
+from csrc_triton.token_oracle import token_oracle_attention_naive
+from csrc_triton.token_oracle.batched import select_tokens, token_oracle_attention_batched
+from csrc_triton.token_oracle.naive import select_tokens as select_tokens_naive
+from csrc_triton.token_sparse import token_sparse_attention_naive
+from csrc_triton.token_sparse.batched import token_sparse_attention_batched
+from tests.kernels import test_block_sparse as bs
+from tests.kernels import test_oracle as orc
+from tests.kernels import test_token_oracle as tor
+from tests.kernels import test_token_sparse as ts
+from tests.kernels.conftest import DEVICE, nan_like
+
+
+@pytest.fixture(params=["masked", "gathered"])
+def prefill_path(request, monkeypatch):
+    """Short prefill runs take the masked path; GATHER_FACTOR = 0 sends them down the gathered one."""
+    if request.param == "gathered":
+        monkeypatch.setattr(paged_batch, "GATHER_FACTOR", 0)
+    return request.param
+
+
+def oracle_args(batch, q, case):
+    return (q, batch.k_cache, batch.v_cache, batch.block_table, batch.query_start_loc, batch.seq_lens_t)
+
+
+@pytest.mark.parametrize("case", orc.CASES + [orc.DECODE, orc.LONG], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_oracle(case, dtype):
+    batch, q = orc.make_inputs(case, dtype, seed=11)
+    ref = orc.run(oracle_attention_naive, batch, q, case)
+    out = nan_like(q)
+    got = oracle_attention_batched(*oracle_args(batch, q, case), scale=case.head_dim ** -0.5,
+                                   sparse_block_size=case.block_size, topk=case.topk, out=out)
+    assert got[0] is out
+    orc.check_against_naive(case, dtype, (*got, ref[2]), ref, batch)
+
+
+def test_oracle_ties_go_to_smaller_blocks():
+    case = orc.Case([100, 1], [100, 37], block_size=16, topk=3)
+    batch, q = orc.make_inputs(case, torch.float32)
+    _, ids = oracle_attention_batched(*oracle_args(batch, torch.zeros_like(q), case), scale=case.head_dim ** -0.5,
+                                      sparse_block_size=case.block_size, topk=case.topk)
+    for t, pos in enumerate(batch.positions()):
+        visible = pos // case.block_size + 1
+        want = list(range(min(visible, case.topk))) + [-1] * max(0, case.topk - visible)
+        assert ids[t].tolist() == [want] * case.num_kv_heads, (t, pos)
+
+
+def test_oracle_with_plan_matches_without():
+    case = orc.CASES[0]
+    batch, q = orc.make_inputs(case, torch.float32, seed=5)
+    kwargs = dict(scale=case.head_dim ** -0.5, sparse_block_size=case.block_size, topk=case.topk)
+    plan = make_plan(batch.query_start_loc.cpu(), batch.seq_lens_t.cpu(), batch.num_tokens, q.device)
+    a = oracle_attention_batched(*oracle_args(batch, q, case), **kwargs)
+    b = oracle_attention_batched(*oracle_args(batch, q, case), plan=plan, **kwargs)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@pytest.mark.parametrize("case", tor.CASES + [tor.LONG], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("reduce", ["max", "sum"])
+def test_token_oracle(case, dtype, reduce):
+    batch, q = tor.make_inputs(case, dtype, seed=12)
+    ref = tor.run(token_oracle_attention_naive, batch, q, case, reduce)
+    out = nan_like(q)
+    got = tor.run(token_oracle_attention_batched, batch, q, case, reduce, out=out)
+    assert got[0] is out
+    tor.check_against_naive(case, dtype, reduce, got, ref, batch, q)
+
+
+@pytest.mark.parametrize("reduce", ["max", "sum"])
+def test_token_oracle_ties_go_to_smaller_positions(reduce):
+    case = tor.Case([40, 1, 1], [40, 30, 12], topk=5, window=4)
+    batch, q = tor.make_inputs(case, torch.float32)
+    _, ids = tor.run(token_oracle_attention_batched, batch, torch.zeros_like(q), case, reduce)
+    for t, pos in enumerate(batch.positions()):
+        start = max(0, pos - case.window + 1)
+        want = list(range(min(case.topk, start))) + list(range(start, pos + 1))
+        want += [-1] * (case.topk + case.window - len(want))
+        assert ids[t].tolist() == [want] * case.num_kv_heads, (t, pos)
+
+
+@pytest.mark.parametrize("topk,window", [(5, 4), (0, 6), (7, 0), (40, 3)])
+def test_select_tokens_matches_sorting(topk, window):
+    """Threshold-and-fill top-k equals the stable sort on scores full of exact ties (few distinct values)."""
+    g = torch.Generator().manual_seed(topk * 31 + window)
+    r = torch.randint(0, 4, (50, 3, 37), generator=g).float() / 4
+    pos = torch.randint(0, 37, (50,), generator=g)
+    got = select_tokens(r, pos, topk, window)
+    want = select_tokens_naive(r, pos, topk, window)
+    assert torch.equal(got, want.long())
+
+
+@pytest.mark.parametrize("case", bs.CASES, ids=str)
+@pytest.mark.parametrize("use_sinks", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_block_sparse(case, use_sinks, dtype, prefill_path):
+    batch, q, sinks = bs.make_inputs(case, dtype, seed=13)
+    sinks = sinks if use_sinks else None
+    ids = bs.random_blocks(batch, case.num_kv_heads, case.block_size, case.topk, seed=13)
+    ref = bs.run(block_sparse_attention_naive, batch, q, ids, case, sinks)
+    out = nan_like(q)
+    got = bs.run(block_sparse_attention_batched, batch, q, ids, case, sinks, out=out)
+    assert got is out and not got.isnan().any()
+    tol = 1e-5 if dtype == torch.float32 else 4e-3
+    torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
+
+
+def test_block_sparse_all_blocks_is_dense_causal(prefill_path):
+    case = bs.CASES[4]
+    batch, q, sinks = bs.make_inputs(case, torch.float32, seed=3)
+    ids = bs.all_blocks(batch, case.num_kv_heads, case.block_size)
+    ref = bs.dense_causal(batch, q, case.head_dim ** -0.5, sinks).float().to(DEVICE)
+    got = bs.run(block_sparse_attention_batched, batch, q, ids, case, sinks, out=nan_like(q))
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", ts.CASES, ids=str)
+@pytest.mark.parametrize("use_sinks", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_token_sparse(case, use_sinks, dtype, prefill_path):
+    batch, q, sinks = ts.make_inputs(case, dtype, seed=14)
+    sinks = sinks if use_sinks else None
+    ids = ts.random_tokens(batch, case.num_kv_heads, case.window, case.topk, seed=14)
+    ref = ts.run(token_sparse_attention_naive, batch, q, ids, case, sinks)
+    out = nan_like(q)
+    got = ts.run(token_sparse_attention_batched, batch, q, ids, case, sinks, out=out)
+    assert got is out and not got.isnan().any()
+    tol = 1e-5 if dtype == torch.float32 else 4e-3
+    torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
