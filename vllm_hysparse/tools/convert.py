@@ -2,6 +2,7 @@
 """Convert a dense Llama / Qwen2 / Qwen3 / Mistral checkpoint into HySparse or HySparse2 (SPEC §5).
 
     python scripts/convert_checkpoint.py --src Qwen3-8B --dst qwen3-8b-hysparse --arch hysparse --dry-run
+    python scripts/convert_checkpoint.py --src model.gguf --dst student --arch hysparse   # GGUF: imported first
 
 Dense layer `i` becomes layer `i` of the target. Full layers keep their
 weights; sparse and sliding layers reuse the dense q/k/v/o, with new gates at
@@ -18,6 +19,7 @@ import re
 import shutil
 import sys
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -646,7 +648,8 @@ def _layer_list(text: str) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--src", required=True, help="dense HF checkpoint (Llama, Qwen2, Qwen3, Mistral)")
+    p.add_argument("--src", required=True, help="dense HF checkpoint (Llama, Qwen2, Qwen3, Mistral), or a .gguf "
+                   "file of one (imported first, see vllm_hysparse.tools.import_gguf)")
     p.add_argument("--dst", required=True, help="directory to create")
     p.add_argument("--arch", choices=sorted(CONFIG_CLASSES), required=True)
     full = p.add_mutually_exclusive_group()
@@ -674,18 +677,31 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@contextmanager
+def _dense_source(src: str, dst: Path):
+    """`src`, or for a `.gguf` file its dense import in a temporary directory beside `dst` (removed after)."""
+    if not src.lower().endswith(".gguf"):
+        yield src
+        return
+    from vllm_hysparse.tools.import_gguf import dense_source
+
+    with dense_source(src, dst.parent) as dense:
+        yield dense
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     opts = PlanOptions(**{name: getattr(args, name) for name in PlanOptions.__dataclass_fields__})
     try:
-        conv = plan_conversion(args.src, args.arch, opts)
-        print(describe(conv))
-        for warning in conv.warnings:
-            print(f"warning: {warning}", file=sys.stderr)
-        if args.dry_run:
-            return 0
-        out = convert(conv, args.dst, force=args.force, max_shard_bytes=parse_size(args.max_shard_size),
-                      check=args.verify)
+        with _dense_source(args.src, Path(args.dst)) as src:
+            conv = plan_conversion(src, args.arch, opts)
+            print(describe(conv))
+            for warning in conv.warnings:
+                print(f"warning: {warning}", file=sys.stderr)
+            if args.dry_run:
+                return 0
+            out = convert(conv, args.dst, force=args.force, max_shard_bytes=parse_size(args.max_shard_size),
+                          check=args.verify)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
