@@ -27,57 +27,81 @@ FIELDS = ("queries", "pages", "dense_pages")
 _PUBLISH_INTERVAL_S = 0.2
 
 
-def pages_touched(block_ids: torch.Tensor, positions: torch.Tensor, block_size: int, page_size: int) -> torch.Tensor:
-    """Distinct cache pages each query's selected blocks cover, keys `j <= t` only.
+METRICS_ENV = "VLLM_HYSPARSE_METRICS"
+
+
+def metrics_enabled() -> bool:
+    """`VLLM_HYSPARSE_METRICS=0` switches the pages-per-query counters off (they cost a few tensor ops per oracle)."""
+    return os.environ.get(METRICS_ENV, "1") not in ("0", "false", "False")
+
+
+def pages_touched(ids: torch.Tensor, positions: torch.Tensor, block_size: int, page_size: int) -> torch.Tensor:
+    """Distinct cache pages each query's selection covers, keys `j <= t` only.
+
+    Selected blocks are ascending, so their page ranges are too, and two
+    neighbours share at most one page (the last of one, the first of the next):
+    the count needs no `[N, G, K, block]` expansion.
 
     Args:
-        block_ids: `[N, G, K]` block ids, -1 padded.
+        ids: `[N, G, K]` ascending block ids (token positions when `block_size` is 1), -1 padded.
         positions: `[N]` query positions t.
     Returns:
         `[N, G]` int64 page counts.
     """
-    n, g, k = block_ids.shape
-    offsets = torch.arange(block_size, device=block_ids.device)
-    tokens = block_ids.long().unsqueeze(-1) * block_size + offsets  # [N, G, K, B]
-    valid = (block_ids.unsqueeze(-1) >= 0) & (tokens <= positions.view(n, 1, 1, 1))
-    pages = torch.where(valid, tokens // page_size, -1).flatten(2)  # [N, G, K*B]
-    n_pages = int(positions.max()) // page_size + 2
-    hit = torch.zeros(n, g, n_pages, dtype=torch.bool, device=block_ids.device)
-    hit.scatter_(2, pages.clamp_min(-1) + 1, True)  # slot 0 collects the invalid ones
-    return hit[..., 1:].sum(-1)
+    ids = ids.long()
+    t = positions.long().view(-1, 1, 1)
+    valid = (ids >= 0) & (ids * block_size <= t)
+    first = torch.where(valid, ids * block_size // page_size, -1)
+    last = torch.where(valid, torch.minimum(ids * block_size + block_size - 1, t) // page_size, -1)
+    pages = torch.where(valid, last - first + 1, 0).sum(-1)
+    # a block whose first page is the previous valid block's last page counts it once
+    prev_last = torch.nn.functional.pad(last[..., :-1], (1, 0), value=-1)
+    shared = valid & (first == prev_last)
+    return pages - shared.sum(-1)
 
 
 class PagesPerQueryStats:
-    """Worker-side accumulator; `add` is called by the oracle attention role each step.
+    """Worker-side accumulator; `add` is called by the oracle attention roles each step.
 
-    A daemon thread publishes the totals when they changed, so a scrape right
-    after a request sees all of it without the hot path writing files.
+    The totals live in a tensor on the device of the ids, so `add` queues a few
+    tensor ops and never waits for the device. A daemon thread reads them, off
+    the hot path, and publishes them when they changed.
     """
 
     def __init__(self):
-        self.totals = dict.fromkeys(FIELDS, 0)
+        self._totals: torch.Tensor | None = None  # [len(FIELDS)] int64 on the kernels' device
         self._lock = threading.Lock()
         self._dirty = False
+        self.enabled = metrics_enabled()
         directory = os.environ.get(METRICS_DIR_ENV)
         self._path = Path(directory) / f"worker-{os.getpid()}.json" if directory else None
-        if self._path is not None:
+        if self._path is not None and self.enabled:
             atexit.register(self.publish)
             threading.Thread(target=self._publish_loop, name="hysparse-metrics", daemon=True).start()
 
-    def add(self, pages: torch.Tensor, positions: torch.Tensor, page_size: int) -> None:
-        """pages `[N, G]` from `pages_touched`; positions `[N]` (dense = every page up to t)."""
-        dense = int((positions // page_size + 1).sum()) * pages.shape[1]
+    def add(self, ids: torch.Tensor, positions: torch.Tensor, block_size: int, page_size: int) -> None:
+        """One oracle layer's selections `ids [N, G, K]` of queries at `positions [N]`."""
+        if not self.enabled:
+            return
+        pages = pages_touched(ids, positions, block_size, page_size)
+        dense = (positions.long() // page_size + 1).sum() * ids.shape[1]  # every page up to t, per group
+        step = torch.stack([pages.new_full((), pages.numel()), pages.sum(), dense])
+        if self._totals is None:
+            self._totals = torch.zeros(len(FIELDS), dtype=torch.long, device=ids.device)
+        self._totals.add_(step)
+        self._dirty = True
+
+    def totals(self) -> dict[str, int]:
+        """The counters on the host (waits for the device: call off the hot path)."""
         with self._lock:
-            self.totals["queries"] += pages.numel()
-            self.totals["pages"] += int(pages.sum())
-            self.totals["dense_pages"] += dense
-            self._dirty = True
+            values = [0] * len(FIELDS) if self._totals is None else self._totals.tolist()
+        return dict(zip(FIELDS, values))
 
     def publish(self) -> None:
         if self._path is None:
             return
-        with self._lock:
-            text, self._dirty = json.dumps(self.totals), False
+        self._dirty = False
+        text = json.dumps(self.totals())
         tmp = self._path.with_suffix(".tmp")
         try:
             tmp.write_text(text)

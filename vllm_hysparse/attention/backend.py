@@ -6,27 +6,34 @@ its paged cache, computes exact causal attention and writes, per query and KV
 group, the oracle's top-k block ids (SPEC §3.1) into its index buffer. A sparse
 layer's global branch uses role `block_sparse`: it owns no cache (vLLM KV
 sharing binds it to the full layer's), reads that buffer and attends, with its
-sink, over the selected blocks (SPEC §3.2). The SWA branch is a plain windowed
-vLLM `Attention` with sinks and needs nothing from us.
+sink, over the selected blocks (SPEC §3.2). HySparse2's cross layers use
+`token_oracle` / `token_sparse` the same way over token positions (SPEC §3.3);
+its bridged caches are `kv_owner`s, written and never attended here. The SWA
+branch is a plain windowed vLLM `Attention` with sinks and needs nothing from us.
 
 The cache is vLLM's logical page view `[blocks, G, page, D_k + D_v]` (vLLM's
 CPU kernel packs its own layer caches in a private format, so those cannot be
-shared). Two kernel paths, chosen by device or by `VLLM_HYSPARSE_KERNELS`:
-`triton` (the `csrc_triton` kernels, CUDA's default; on CPU they need
-`TRITON_INTERPRET=1`) and `torch` (the reference math of
-`vllm_hysparse.reference.ops` per request over keys gathered from the pages,
-the CPU default). Both run inside vLLM's opaque attention op, so
-`torch.compile` never traces their data-dependent loops.
+shared). Every role is one entry of `ROLE_TABLE`: the `csrc_triton` function of
+each kernel path and the arguments it takes. Two kernel paths, chosen by device
+or by `VLLM_HYSPARSE_KERNELS`: `triton` (CUDA's default; on CPU it needs
+`TRITON_INTERPRET=1`) and `torch` (the batched PyTorch twins, the CPU default:
+decode rows of all requests together, sparse roles reading only the selected
+keys). The forward reads no host value: what needs one (which rows are decode
+rows, the prefill runs) is computed once per step by the metadata builder.
+Both paths run inside vLLM's opaque attention op, so `torch.compile` never
+traces them.
 """
 
+import importlib
 import os
-
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 from vllm.v1.attention.backend import (
     AttentionBackend,
+    AttentionCGSupport,
     AttentionImpl,
     AttentionMetadataBuilder,
     AttentionType,
@@ -34,21 +41,23 @@ from vllm.v1.attention.backend import (
     MultipleOf,
 )
 
-from vllm_hysparse.attention.paged import (
-    gather_request_kv,
-    iter_chunks,
-    iter_requests,
-    row_positions,
-    split_kv_cache,
-    write_kv,
-)
-from vllm_hysparse.metrics import pages_touched, worker_stats
-from vllm_hysparse.reference import ops
+from csrc_triton.paged_batch import BatchPlan, make_plan
+from vllm_hysparse.attention.paged import split_kv_cache, write_kv
+from vllm_hysparse.metrics import worker_stats
 
 BACKEND_NAME = "HYSPARSE"
 KERNELS_ENV = "VLLM_HYSPARSE_KERNELS"
 KERNEL_PATHS = ("triton", "torch")
-ROLES = ("oracle", "block_sparse", "kv_owner", "token_oracle", "token_sparse")
+
+
+def kernel_path(device: torch.device) -> str:
+    """`triton` or `torch`: `VLLM_HYSPARSE_KERNELS` if set, else Triton on CUDA and PyTorch elsewhere."""
+    choice = os.environ.get(KERNELS_ENV)
+    if choice is None:
+        return "triton" if device.type == "cuda" else "torch"
+    if choice not in KERNEL_PATHS:
+        raise ValueError(f"{KERNELS_ENV}: must be one of {list(KERNEL_PATHS)} (got {choice!r})")
+    return choice
 
 
 class HySparseAttentionBackend(AttentionBackend):
@@ -83,44 +92,37 @@ class HySparseAttentionBackend(AttentionBackend):
 
 @dataclass
 class HySparseMetadata:
-    """One step's batch layout: device tensors for the kernels, host copies where PyTorch loops over requests.
-
-    KV writes get their slots from vLLM directly (`do_kv_cache_update`).
-    """
+    """One step's batch layout. KV writes get their slots from vLLM directly (`do_kv_cache_update`)."""
 
     num_actual_tokens: int
     query_start_loc: torch.Tensor  # [num_reqs + 1] int32, on the device
     seq_lens: torch.Tensor  # [num_reqs] int32, on the device
-    query_start_loc_cpu: torch.Tensor  # [num_reqs + 1]
-    seq_lens_cpu: torch.Tensor  # [num_reqs]
-    block_table: torch.Tensor  # [num_reqs, max_pages]
+    block_table: torch.Tensor  # [num_reqs, max_pages] int32
+    plan: BatchPlan  # decode rows, prefill runs and row positions, computed on the host once per step
 
 
 class HySparseMetadataBuilder(AttentionMetadataBuilder[HySparseMetadata]):
+    # Honest level: the PyTorch path shapes its work from host values of each
+    # step (prefill runs, the longest decode), which a captured graph would
+    # freeze; the Triton path's launches depend only on tensor shapes, but its
+    # row positions are per-step tensors, so no capture is claimed for either.
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> HySparseMetadata:
         m = common_attn_metadata
+        # vLLM keeps host copies of the sequence lengths; exact outside speculative decoding.
+        seq_lens_cpu = m.seq_lens_cpu_upper_bound if m.seq_lens_cpu_upper_bound is not None else m.seq_lens.cpu()
         return HySparseMetadata(
             num_actual_tokens=m.num_actual_tokens,
             query_start_loc=m.query_start_loc,
             seq_lens=m.seq_lens,
-            query_start_loc_cpu=m.query_start_loc_cpu,
-            seq_lens_cpu=m.seq_lens.cpu(),
             block_table=m.block_table_tensor,
+            plan=make_plan(m.query_start_loc_cpu, seq_lens_cpu, m.num_actual_tokens, self.device),
         )
-
-
-def kernel_path(device: torch.device) -> str:
-    """`triton` or `torch`: `VLLM_HYSPARSE_KERNELS` if set, else Triton on CUDA and PyTorch elsewhere."""
-    choice = os.environ.get(KERNELS_ENV)
-    if choice is None:
-        return "triton" if device.type == "cuda" else "torch"
-    if choice not in KERNEL_PATHS:
-        raise ValueError(f"{KERNELS_ENV}: must be one of {list(KERNEL_PATHS)} (got {choice!r})")
-    return choice
 
 
 @dataclass(frozen=True)
@@ -140,16 +142,59 @@ class TokenSelection:
     reduce: str
 
 
-class HySparseAttentionImpl(AttentionImpl):
-    """Attention with a HySparse role.
+@dataclass(frozen=True)
+class Role:
+    """What one role runs: the kernel of each path (`module:function` in `csrc_triton`) and its arguments.
 
-    Roles: `oracle` (HySparse full layer: output + block ids), `block_sparse`
-    (HySparse sparse layer's global branch), `kv_owner` (HySparse2 bridged
-    cache: only written, never attended), `token_oracle` (HySparse2 cross full
-    layer: output + token positions), `token_sparse` (HySparse2 cross sparse).
+    `publishes` roles return `(out, ids)` and hand the ids to their followers
+    through the index buffer; `reads_index` roles take that buffer as input.
+    """
+
+    kernels: dict[str, str]
+    kwargs: Callable[["HySparseAttentionImpl"], dict]
+    publishes: bool = False
+    reads_index: bool = False
+    positions_per_id: Callable[["HySparseAttentionImpl"], int] = lambda impl: 1
+
+
+ROLE_TABLE: dict[str, Role | None] = {
+    "oracle": Role(
+        kernels={"triton": "csrc_triton.oracle.kernel:oracle_attention",
+                 "torch": "csrc_triton.oracle.batched:oracle_attention_batched"},
+        kwargs=lambda impl: dict(sparse_block_size=impl.selection.block_size, topk=impl.selection.topk),
+        publishes=True, positions_per_id=lambda impl: impl.selection.block_size),
+    "token_oracle": Role(
+        kernels={"triton": "csrc_triton.token_oracle.kernel:token_oracle_attention",
+                 "torch": "csrc_triton.token_oracle.batched:token_oracle_attention_batched"},
+        kwargs=lambda impl: dict(topk_tokens=impl.selection.topk, recent_window=impl.selection.window,
+                                 score_head_reduce=impl.selection.reduce),
+        publishes=True),
+    "block_sparse": Role(
+        kernels={"triton": "csrc_triton.block_sparse.kernel:block_sparse_attention",
+                 "torch": "csrc_triton.block_sparse.batched:block_sparse_attention_batched"},
+        kwargs=lambda impl: dict(sparse_block_size=impl.selection.block_size, sinks=impl.sinks),
+        reads_index=True),
+    "token_sparse": Role(
+        kernels={"triton": "csrc_triton.token_sparse.kernel:token_sparse_attention",
+                 "torch": "csrc_triton.token_sparse.batched:token_sparse_attention_batched"},
+        kwargs=lambda impl: dict(sinks=impl.sinks),
+        reads_index=True),
+    "kv_owner": None,  # a HySparse2 bridged cache: written by the bridge op, never attended
+}
+ROLES = tuple(ROLE_TABLE)
+
+
+def load_kernel(spec: str) -> Callable:
+    """`"package.module:function"` -> the function (kernel modules import Triton only when loaded)."""
+    module, name = spec.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+class HySparseAttentionImpl(AttentionImpl):
+    """Attention with a HySparse role (see `ROLE_TABLE`).
 
     Extra args (from `Attention(**extra_impl_args)`):
-        hysparse_role: one of the roles above.
+        hysparse_role: a key of `ROLE_TABLE`.
         index_buffer: `[max_num_batched_tokens, G, width]` int32, written by an
             oracle role and read by the sparse roles that follow it.
         selection: `BlockSelection` or `TokenSelection` of the roles that need one.
@@ -160,7 +205,7 @@ class HySparseAttentionImpl(AttentionImpl):
                  logits_soft_cap=None, attn_type=AttentionType.DECODER, kv_sharing_target_layer_name=None, *,
                  hysparse_role: str, index_buffer: torch.Tensor | None = None,
                  selection: BlockSelection | TokenSelection | None = None, sinks: torch.Tensor | None = None):
-        if hysparse_role not in ROLES:
+        if hysparse_role not in ROLE_TABLE:
             raise ValueError(f"hysparse_role: must be one of {ROLES} (got {hysparse_role!r})")
         if alibi_slopes is not None or sliding_window is not None or logits_soft_cap:
             raise ValueError("the HySparse backend supports no ALiBi, sliding window or soft cap")
@@ -173,12 +218,21 @@ class HySparseAttentionImpl(AttentionImpl):
         self.index_buffer = index_buffer
         self.selection = selection
         self.sinks = sinks
-        self.kernels: str | None = None  # resolved on the first call, when the device is known
+        self._kernel: tuple[str, Callable] | None = None  # (path, function), resolved on the first call
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         """key, value `[T, G, D]` -> the layer's pages at `slot_mapping`."""
         key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
         write_kv(key_cache, value_cache, key, value, slot_mapping)
+
+    def _resolve(self, device: torch.device) -> tuple[str, Callable]:
+        if self._kernel is None:
+            role = ROLE_TABLE[self.role]
+            if role is None:
+                raise RuntimeError("a HySparse2 bridged cache is written by the bridge op and never attended directly")
+            path = kernel_path(device)
+            self._kernel = (path, load_kernel(role.kernels[path]))
+        return self._kernel
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata: HySparseMetadata | None, output,
                 output_scale=None, output_block_scale=None):
@@ -187,74 +241,21 @@ class HySparseAttentionImpl(AttentionImpl):
             raise NotImplementedError("fused output quantization is not supported by the HySparse backend")
         if attn_metadata is None:  # profiling / warm-up run
             return output
-        if self.role == "kv_owner":
-            raise RuntimeError("a HySparse2 bridged cache is written by the bridge op and never attended directly")
-        key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
+        path, kernel = self._resolve(query.device)
+        role = ROLE_TABLE[self.role]
         meta = attn_metadata
-        if self.kernels is None:
-            self.kernels = kernel_path(query.device)
-        if self.kernels == "triton":
-            self._forward_triton(query, key_cache, value_cache, meta, output)
-            return output
-        for rows in iter_requests(meta.query_start_loc_cpu, meta.seq_lens_cpu, meta.num_actual_tokens):
-            keys = gather_request_kv(key_cache, meta.block_table[rows.index], rows.seq_len)
-            values = gather_request_kv(value_cache, meta.block_table[rows.index], rows.seq_len)
-            for s, e, n_keys in iter_chunks(rows):
-                q, k, v = query[s:e].unsqueeze(0), keys[:, :n_keys], values[:, :n_keys]
-                output[s:e].copy_(self._attend(q, k, v, s, e, key_cache.shape[2])[0])
-        return output
-
-    def _attend(self, q, k, v, s: int, e: int, page_size: int) -> torch.Tensor:
-        """Rows `[s, e)` of the batch: q `[1, n, H, D]` over k, v `[1, n_keys, G, D]` -> `[1, n, H, D]`."""
-        sel, buf = self.selection, self.index_buffer
-        positions = torch.arange(k.shape[1] - (e - s), k.shape[1])
-        if self.role == "oracle":
-            ids = ops.oracle_block_topk(q, k, self.scale, sel.block_size, sel.topk)
-            self._publish(ids[0], s, positions, sel.block_size, page_size)
-            return ops.dense_attention(q, k, v, self.scale)
-        if self.role == "token_oracle":
-            ids = ops.token_topk(q, k, self.scale, sel.topk, sel.window, sel.reduce)
-            self._publish(ids[0], s, positions, 1, page_size)
-            return ops.dense_attention(q, k, v, self.scale)
-        ids = buf[s:e].unsqueeze(0).long()
-        if self.role == "block_sparse":
-            return ops.block_sparse_attention(q, k, v, ids, sel.block_size, self.scale, self.sinks)
-        return ops.token_sparse_attention(q, k, v, ids, self.scale, self.sinks)
-
-    def _publish(self, ids: torch.Tensor, start: int, positions: torch.Tensor, block_size: int,
-                 page_size: int) -> None:
-        """Hand `ids [n, G, width]` (rows from `start`) to the sparse followers and count their pages.
-
-        Pages are counted where the ids live; only the sums cross to the host.
-        """
-        self.index_buffer[start:start + ids.shape[0]].copy_(ids)
-        worker_stats().add(pages_touched(ids, positions, block_size, page_size), positions, page_size)
-
-    def _forward_triton(self, query, key_cache, value_cache, meta: HySparseMetadata, output) -> None:
-        """The whole batch in one launch of a `csrc_triton` kernel."""
         n = meta.num_actual_tokens
-        batch = (query[:n], key_cache, value_cache, meta.block_table, meta.query_start_loc, meta.seq_lens)
-        sel, buf = self.selection, self.index_buffer
-        if self.role == "oracle":
-            from csrc_triton.oracle import oracle_attention
-
-            _, ids = oracle_attention(*batch, scale=self.scale, sparse_block_size=sel.block_size, topk=sel.topk,
-                                      out=output[:n])
-            positions = row_positions(meta.query_start_loc_cpu, meta.seq_lens_cpu, n).to(ids.device)
-            self._publish(ids, 0, positions, sel.block_size, key_cache.shape[2])
-        elif self.role == "token_oracle":
-            from csrc_triton.token_oracle import token_oracle_attention
-
-            _, ids = token_oracle_attention(*batch, scale=self.scale, topk_tokens=sel.topk, recent_window=sel.window,
-                                            score_head_reduce=sel.reduce, out=output[:n])
-            positions = row_positions(meta.query_start_loc_cpu, meta.seq_lens_cpu, n).to(ids.device)
-            self._publish(ids, 0, positions, 1, key_cache.shape[2])
-        elif self.role == "block_sparse":
-            from csrc_triton.block_sparse import block_sparse_attention
-
-            block_sparse_attention(*batch, buf[:n], scale=self.scale, sparse_block_size=sel.block_size,
-                                   sinks=self.sinks, out=output[:n])
-        else:
-            from csrc_triton.token_sparse import token_sparse_attention
-
-            token_sparse_attention(*batch, buf[:n], scale=self.scale, sinks=self.sinks, out=output[:n])
+        key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
+        args = [query[:n], key_cache, value_cache, meta.block_table, meta.query_start_loc, meta.seq_lens]
+        if role.reads_index:
+            args.append(self.index_buffer[:n])
+        kwargs = role.kwargs(self)
+        if path == "torch":
+            kwargs["plan"] = meta.plan
+        result = kernel(*args, scale=self.scale, out=output[:n], **kwargs)
+        if role.publishes:
+            ids = result[1]
+            self.index_buffer[:n].copy_(ids)
+            worker_stats().add(ids[:meta.plan.num_tokens], meta.plan.row_pos, role.positions_per_id(self),
+                               key_cache.shape[2])
+        return output

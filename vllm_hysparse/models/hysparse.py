@@ -151,10 +151,12 @@ class HySparseModel(nn.Module):
         heads = HeadSplit(config)
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         # One index buffer per full layer with followers: [tokens, G, topk] block ids.
-        self.index_buffers = {
-            f: torch.full((max_tokens, heads.num_kv_heads, config.sparse_topk_blocks), -1, dtype=torch.int32)
-            for f in sorted(set(config.oracle_layer.values()))
-        }
+        # Registered (non-persistent) so they live on the model's device; the attention layers hold references.
+        self.index_buffers = {}
+        for f in sorted(set(config.oracle_layer.values())):
+            self.register_buffer(f"index_buffer_{f}", torch.full(
+                (max_tokens, heads.num_kv_heads, config.sparse_topk_blocks), -1, dtype=torch.int32), persistent=False)
+            self.index_buffers[f] = getattr(self, f"index_buffer_{f}")
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
                                                    prefix=f"{prefix}.embed_tokens")
         self.start_layer, self.end_layer, self.layers = make_layers(

@@ -240,8 +240,12 @@ class HySparse2Model(nn.Module):
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         width = config.sparse_topk_tokens + config.recent_window
         # One token-selection buffer per cross full layer: [tokens, G, k_g + w] positions.
-        index_buffers = {c: torch.full((max_tokens, heads.num_kv_heads, width), -1, dtype=torch.int32)
-                         for c in config.cross_full_layers}
+        # Registered (non-persistent) so they live on the model's device; the attention layers hold references.
+        index_buffers = {}
+        for c in config.cross_full_layers:
+            self.register_buffer(f"index_buffer_{c}", torch.full((max_tokens, heads.num_kv_heads, width), -1,
+                                                                 dtype=torch.int32), persistent=False)
+            index_buffers[c] = getattr(self, f"index_buffer_{c}")
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
                                                    prefix=f"{prefix}.embed_tokens")
         # Bridges own caches, so they are built before any cross-decoder Attention: vLLM's fast
