@@ -1,0 +1,55 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Paged-cache writes and the batch plan / gathers, against explicit per-token loops."""
+
+import torch
+
+from csrc_triton.paged_batch import gather_context, gather_request, gather_rows, make_plan
+from vllm_hysparse.attention.paged import split_kv_cache, write_kv
+
+
+def test_write_kv_stores_every_valid_slot_and_skips_padding():
+    gen = torch.Generator().manual_seed(0)
+    pages, groups, page, dim = 6, 2, 4, 8
+    kv = torch.full((pages, groups, page, 2 * dim), float("nan"))
+    key_cache, value_cache = split_kv_cache(kv, dim)
+    slots = torch.tensor([5, 9, -1, 23, 13, -1, 14])  # block 0 is the null block: never a real slot
+    key, value = torch.randn(7, groups, dim, generator=gen), torch.randn(7, groups, dim, generator=gen)
+    write_kv(key_cache, value_cache, key, value, slots)
+    for i, s in enumerate(slots.tolist()):
+        if s >= 0:
+            assert torch.equal(key_cache[s // page, :, s % page], key[i])
+            assert torch.equal(value_cache[s // page, :, s % page], value[i])
+    written = {s for s in slots.tolist() if s >= 0} | {0}  # padding goes to block 0 (vLLM's null block)
+    for s in range(pages * page):
+        if s not in written:
+            assert key_cache[s // page, :, s % page].isnan().all(), s
+
+
+def test_plan_and_gathers_match_loops():
+    gen = torch.Generator().manual_seed(1)
+    page, groups, dim = 4, 2, 3
+    q_lens, seq_lens = [3, 1, 0, 1, 5], [7, 9, 4, 1, 5]
+    cache = torch.randn(30, groups, page, dim, generator=gen)
+    block_table = torch.randperm(30, generator=gen)[:5 * 3].view(5, 3).to(torch.int32)
+    qsl = torch.tensor([0, 3, 4, 4, 5, 10], dtype=torch.int32)
+    plan = make_plan(qsl, torch.tensor(seq_lens, dtype=torch.int32), 12, torch.device("cpu"))
+    assert plan.num_tokens == 10
+    assert plan.row_pos.tolist() == [4, 5, 6, 8, 0, 0, 1, 2, 3, 4]
+    assert plan.decode_rows.tolist() == [3, 4] and plan.decode_reqs.tolist() == [1, 3]
+    assert plan.decode_lens.tolist() == [9, 1] and plan.max_decode_len == 9
+    assert [(p.req, p.start, p.end, p.first_pos) for p in plan.prefills] == [(0, 0, 3, 4), (4, 5, 10, 0)]
+
+    def key(r, j):
+        return cache[block_table[r, j // page].long(), :, j % page]
+
+    req = gather_request(cache, block_table[0], 7)
+    assert all(torch.equal(req[:, j], key(0, j)) for j in range(7))
+    ctx = gather_context(cache, block_table, torch.tensor([1, 0]), 9)
+    assert all(torch.equal(ctx[0, :, j], key(1, j)) for j in range(9))
+    assert all(torch.equal(ctx[1, :, j], key(0, j)) for j in range(7))
+    positions = torch.randint(0, 9, (2, groups, 5), generator=gen)
+    rows = gather_rows(cache, block_table, torch.tensor([1, 4]), positions)
+    for i, r in enumerate([1, 4]):
+        for g in range(groups):
+            for s in range(5):
+                assert torch.equal(rows[i, g, s], key(r, int(positions[i, g, s]))[g])
