@@ -100,33 +100,50 @@ def chunks(n: int, size: int):
         yield s, min(s + size, n)
 
 
-def gather_request(cache: torch.Tensor, block_table_row: torch.Tensor, num_keys: int) -> torch.Tensor:
-    """`[num_pages, G, page, D]` cache -> `[G, num_keys, D]` float32 for positions `[0, num_keys)` of one request."""
-    page = cache.shape[2]
-    pages = block_table_row[: -(-num_keys // page)].long()
-    x = cache[pages].transpose(0, 1).reshape(cache.shape[1], -1, cache.shape[3])  # [G, pages * page, D]
-    return x[:, :num_keys].float()
+def _merged(cache: torch.Tensor, end_dim: int) -> torch.Tensor | None:
+    """`cache` with dims `0..end_dim` merged into one, as a view; None when its strides do not allow one."""
+    try:
+        return cache.view(-1, *cache.shape[end_dim + 1:])
+    except RuntimeError:
+        return None
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, reqs: torch.Tensor, num_keys: int) -> torch.Tensor:
     """Positions `[0, num_keys)` of several requests: `reqs [n]` -> `[n, G, num_keys, D]` float32.
 
+    One `index_select` of whole (page, group) slabs, already in `[n, G, pages, page]`
+    order (an advanced-index gather of a strided cache view is several times slower).
     Positions past a request's own length hold whatever its pages hold: callers mask them.
     """
-    page = cache.shape[2]
+    num_pages, groups, page, dim = cache.shape
     pages = block_table[reqs, : -(-num_keys // page)].long()  # [n, P]
-    x = cache[pages]  # [n, P, G, page, D]
-    x = x.transpose(1, 2).reshape(reqs.shape[0], cache.shape[1], -1, cache.shape[3])
+    slabs = _merged(cache, 1)  # [num_pages * G, page, D]
+    if slabs is None:  # a layout whose (page, group) dims do not merge: gather, then reorder
+        x = cache[pages].transpose(1, 2)
+    else:
+        index = pages[:, None, :] * groups + torch.arange(groups, device=cache.device)[None, :, None]
+        x = slabs.index_select(0, index.flatten()).view(*index.shape, page, dim)
+    x = x.reshape(reqs.shape[0], groups, -1, dim)
     return x[:, :, :num_keys].float()
+
+
+def gather_request(cache: torch.Tensor, block_table_row: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """`[num_pages, G, page, D]` cache -> `[G, num_keys, D]` float32 for positions `[0, num_keys)` of one request."""
+    reqs = torch.zeros(1, dtype=torch.long, device=cache.device)
+    return gather_context(cache, block_table_row[None], reqs, num_keys)[0]
 
 
 def gather_rows(cache: torch.Tensor, block_table: torch.Tensor, reqs: torch.Tensor,
                 positions: torch.Tensor) -> torch.Tensor:
     """Per-row key positions `[n, G, S]` (valid, >= 0) of requests `reqs [n]` -> `[n, G, S, D]` float32."""
-    page = cache.shape[2]
+    num_pages, groups, page, dim = cache.shape
     pages = block_table[reqs[:, None, None], positions // page].long()
-    groups = torch.arange(cache.shape[1], device=cache.device)[None, :, None]
-    return cache[pages, groups, positions % page].float()
+    group = torch.arange(groups, device=cache.device)[None, :, None]
+    tokens = _merged(cache, 2)  # [num_pages * G * page, D]
+    if tokens is None:
+        return cache[pages, group, positions % page].float()
+    index = (pages * groups + group) * page + positions % page
+    return tokens.index_select(0, index.flatten()).view(*index.shape, dim).float()
 
 
 def sink_softmax(z: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:

@@ -98,6 +98,7 @@ class HySparseMetadata:
     query_start_loc: torch.Tensor  # [num_reqs + 1] int32, on the device
     seq_lens: torch.Tensor  # [num_reqs] int32, on the device
     block_table: torch.Tensor  # [num_reqs, max_pages] int32
+    max_seq_len: int  # host upper bound on seq_lens
     plan: BatchPlan  # decode rows, prefill runs and row positions, computed on the host once per step
 
 
@@ -121,6 +122,7 @@ class HySparseMetadataBuilder(AttentionMetadataBuilder[HySparseMetadata]):
             query_start_loc=m.query_start_loc,
             seq_lens=m.seq_lens,
             block_table=m.block_table_tensor,
+            max_seq_len=m.max_seq_len,
             plan=make_plan(m.query_start_loc_cpu, seq_lens_cpu, m.num_actual_tokens, self.device),
         )
 
@@ -155,6 +157,7 @@ class Role:
     publishes: bool = False
     reads_index: bool = False
     positions_per_id: Callable[["HySparseAttentionImpl"], int] = lambda impl: 1
+    bounded_by_seq_len: bool = False  # the Triton kernel sizes its scratch by a host `max_seq_len`
 
 
 ROLE_TABLE: dict[str, Role | None] = {
@@ -168,7 +171,7 @@ ROLE_TABLE: dict[str, Role | None] = {
                  "torch": "csrc_triton.token_oracle.batched:token_oracle_attention_batched"},
         kwargs=lambda impl: dict(topk_tokens=impl.selection.topk, recent_window=impl.selection.window,
                                  score_head_reduce=impl.selection.reduce),
-        publishes=True),
+        publishes=True, bounded_by_seq_len=True),
     "block_sparse": Role(
         kernels={"triton": "csrc_triton.block_sparse.kernel:block_sparse_attention",
                  "torch": "csrc_triton.block_sparse.batched:block_sparse_attention_batched"},
@@ -225,6 +228,11 @@ class HySparseAttentionImpl(AttentionImpl):
         key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
         write_kv(key_cache, value_cache, key, value, slot_mapping)
 
+    @property
+    def kernels(self) -> str | None:
+        """The kernel path this layer runs (`triton` / `torch`), None before its first call."""
+        return None if self._kernel is None else self._kernel[0]
+
     def _resolve(self, device: torch.device) -> tuple[str, Callable]:
         if self._kernel is None:
             role = ROLE_TABLE[self.role]
@@ -252,6 +260,8 @@ class HySparseAttentionImpl(AttentionImpl):
         kwargs = role.kwargs(self)
         if path == "torch":
             kwargs["plan"] = meta.plan
+        elif role.bounded_by_seq_len:
+            kwargs["max_seq_len"] = meta.max_seq_len
         result = kernel(*args, scale=self.scale, out=output[:n], **kwargs)
         if role.publishes:
             ids = result[1]

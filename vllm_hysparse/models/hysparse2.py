@@ -17,6 +17,8 @@ projections only, and the cross-decoder runs on the rows whose logits are
 needed (prefill early exit, exact by construction).
 """
 
+import contextlib
+import dataclasses
 from collections.abc import Iterable
 
 import torch
@@ -266,6 +268,15 @@ class HySparse2Model(nn.Module):
             self.cross_decoder = HySparse2CrossDecoder(vllm_config=vllm_config, prefix=f"{prefix}.cross_decoder",
                                                        layers=self.layers[n_self:])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if self.fast_prefill:
+            # Static inputs of the cross-decoder: a captured graph replays on fixed addresses,
+            # so the logits rows are copied here instead of passed as fresh gathers.
+            dtype = vllm_config.model_config.dtype
+            self.register_buffer("cross_positions", torch.zeros(max_tokens, dtype=torch.long), persistent=False)
+            self.register_buffer("cross_hidden", torch.zeros(max_tokens, config.hidden_size, dtype=dtype),
+                                 persistent=False)
+            self.register_buffer("cross_residual", torch.zeros(max_tokens, config.hidden_size, dtype=dtype),
+                                 persistent=False)
 
     def _make_layer(self, config, cache_config, i, index_buffers, prefix) -> HySparse2DecoderLayer:
         kind = layer_kind(config, i)
@@ -307,12 +318,31 @@ class HySparse2Model(nn.Module):
             out, residual = self.cross_decoder(positions, hidden_states, residual)
             out, _ = self.norm(out, residual)
             return out
-        out, cross_residual = self.cross_decoder(positions[rows], hidden_states[rows], residual[rows])
+        n = rows.shape[0]  # padded by vLLM to a size it may capture
+        self.cross_positions[:n].copy_(positions[rows])
+        self.cross_hidden[:n].copy_(hidden_states[rows])
+        self.cross_residual[:n].copy_(residual[rows])
+        with _cross_decoder_batch(n):
+            out, cross_residual = self.cross_decoder(self.cross_positions[:n], self.cross_hidden[:n],
+                                                     self.cross_residual[:n])
         out, _ = self.norm(out, cross_residual)
         # Rows without logits keep self-decoder values; the sampler never reads them.
         result = hidden_states.clone()
         result[rows[:count]] = out[:count]
         return result
+
+
+@contextlib.contextmanager
+def _cross_decoder_batch(num_tokens: int):
+    """Describe the cross-decoder's smaller batch to vLLM's graph dispatch while it runs."""
+    context = get_forward_context()
+    saved = context.batch_descriptor
+    if saved is not None:
+        context.batch_descriptor = dataclasses.replace(saved, num_tokens=num_tokens, num_reqs=None, uniform=False)
+    try:
+        yield
+    finally:
+        context.batch_descriptor = saved
 
 
 class HySparse2ForCausalLM(nn.Module):

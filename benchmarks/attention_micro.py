@@ -1,0 +1,155 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Per-layer attention microbenchmark on CPU: one decode step of each HySparse role against vLLM's dense CPU attention.
+
+    python benchmarks/attention_micro.py                     # contexts 8192 and 32768, 8 decode requests
+    python benchmarks/attention_micro.py --contexts 2048 --reps 3
+
+Shapes are the `small` presets' (HySparse: 12 heads, 4 KV groups, D 64, 16 blocks of 64;
+HySparse2: 12 heads, MQA, D 64, 1024 tokens + a 128 window). Every role runs the batched
+PyTorch path that serves on CPU (`csrc_triton/*/batched.py`) on a paged cache of 128-token
+pages; the baseline is vLLM's C++ CPU kernel (`cpu_attention_with_kv_cache`) on the same
+context in its own cache layout, at the same KV group count. Also timed: the metrics'
+`pages_touched` per oracle layer (their cost with metrics on). Median of `--reps` after a
+warm-up. Writes `benchmarks/results/attention_micro_<date>_<HHMM>.{json,md}` and prints the table.
+"""
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from csrc_triton.block_sparse.batched import block_sparse_attention_batched
+from csrc_triton.oracle.batched import oracle_attention_batched
+from csrc_triton.paged_batch import make_plan
+from csrc_triton.token_oracle.batched import token_oracle_attention_batched
+from csrc_triton.token_sparse.batched import token_sparse_attention_batched
+from vllm_hysparse.metrics import pages_touched
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+PAGE = 128
+HYSPARSE = dict(heads=12, groups=4, dim=64, block=64, topk=16)
+HYSPARSE2 = dict(heads=12, groups=1, dim=64, topk=1024, window=128)
+
+
+def median_ms(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def paged_batch(num_reqs, ctx, groups, dim, seed=0):
+    """Our logical page view `[pages, G, PAGE, 2D]` filled at random, a block table and decode metadata."""
+    g = torch.Generator().manual_seed(seed)
+    pages_per_req = -(-ctx // PAGE)
+    kv = torch.randn(num_reqs * pages_per_req + 1, groups, PAGE, 2 * dim, generator=g)
+    table = (torch.randperm(num_reqs * pages_per_req, generator=g) + 1).view(num_reqs, pages_per_req).to(torch.int32)
+    qsl = torch.arange(num_reqs + 1, dtype=torch.int32)
+    seq_lens = torch.full((num_reqs,), ctx, dtype=torch.int32)
+    return kv, table, qsl, seq_lens
+
+
+def vllm_dense(num_reqs, ctx, heads, groups, dim, reps):
+    """vLLM's CPU decode attention over `ctx` keys per request (its own cache layout)."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    kv, table, qsl, seq_lens = paged_batch(num_reqs, ctx, groups, dim)
+    cache = kv.view(kv.shape[0], groups, PAGE * 2, dim)
+    key_cache, value_cache = cache.chunk(2, dim=2)
+    q = torch.randn(num_reqs, heads, dim)
+    out = torch.empty_like(q)
+    isa = _get_attn_isa(torch.float32, PAGE, dim)
+    meta = ops.cpu_attn_get_scheduler_metadata(num_reqs, heads, groups, dim, seq_lens, torch.float32, qsl, True, -1,
+                                               isa, False)
+
+    def step():
+        ops.cpu_attention_with_kv_cache(q, key_cache, value_cache, out, qsl, seq_lens, dim ** -0.5, True, None, -1,
+                                        table, 0.0, meta, None)
+
+    return median_ms(step, reps)
+
+
+def hysparse_roles(num_reqs, ctx, reps):
+    s = HYSPARSE
+    kv, table, qsl, seq_lens = paged_batch(num_reqs, ctx, s["groups"], s["dim"])
+    k_cache, v_cache = kv[..., :s["dim"]], kv[..., s["dim"]:]
+    q = torch.randn(num_reqs, s["heads"], s["dim"])
+    plan = make_plan(qsl, seq_lens, num_reqs, q.device)
+    args = (q, k_cache, v_cache, table, qsl, seq_lens)
+    _, ids = oracle_attention_batched(*args, scale=0.125, sparse_block_size=s["block"], topk=s["topk"], plan=plan)
+    sinks = torch.zeros(s["heads"])
+    return {
+        "oracle": median_ms(lambda: oracle_attention_batched(
+            *args, scale=0.125, sparse_block_size=s["block"], topk=s["topk"], plan=plan), reps),
+        "block_sparse": median_ms(lambda: block_sparse_attention_batched(
+            *args, ids, scale=0.125, sparse_block_size=s["block"], sinks=sinks, plan=plan), reps),
+        "metrics (pages_touched)": median_ms(lambda: pages_touched(ids, plan.row_pos, s["block"], PAGE), reps),
+        "dense (vLLM CPU, G=4)": vllm_dense(num_reqs, ctx, s["heads"], s["groups"], s["dim"], reps),
+    }
+
+
+def hysparse2_roles(num_reqs, ctx, reps):
+    s = HYSPARSE2
+    kv, table, qsl, seq_lens = paged_batch(num_reqs, ctx, s["groups"], s["dim"], seed=1)
+    k_cache, v_cache = kv[..., :s["dim"]], kv[..., s["dim"]:]
+    q = torch.randn(num_reqs, s["heads"], s["dim"])
+    plan = make_plan(qsl, seq_lens, num_reqs, q.device)
+    args = (q, k_cache, v_cache, table, qsl, seq_lens)
+    kwargs = dict(scale=0.125, topk_tokens=s["topk"], recent_window=s["window"], plan=plan)
+    _, ids = token_oracle_attention_batched(*args, **kwargs)
+    sinks = torch.zeros(s["heads"])
+    return {
+        "token_oracle": median_ms(lambda: token_oracle_attention_batched(*args, **kwargs), reps),
+        "token_sparse": median_ms(lambda: token_sparse_attention_batched(
+            *args, ids, scale=0.125, sinks=sinks, plan=plan), reps),
+        "dense (vLLM CPU, G=1)": vllm_dense(num_reqs, ctx, s["heads"], s["groups"], s["dim"], reps),
+    }
+
+
+def markdown(result) -> str:
+    lines = [f"# Attention microbenchmark (CPU, float32, one decode step of {result['num_reqs']} requests)", "",
+             f"`{result['command']}` on {result['machine']}, torch {result['torch']}; median of "
+             f"{result['reps']} runs, ms per layer call.", "",
+             "| context | role | ms | vs dense |", "| ---: | --- | ---: | ---: |"]
+    for ctx, arches in result["contexts"].items():
+        for arch, roles in arches.items():
+            dense = next(v for k, v in roles.items() if k.startswith("dense"))
+            for role, ms in roles.items():
+                lines.append(f"| {ctx} | {arch} {role} | {ms:.2f} | {ms / dense:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768])
+    parser.add_argument("--num-reqs", type=int, default=8)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--results", type=Path, default=RESULTS_DIR)
+    args = parser.parse_args(argv)
+    torch.set_grad_enabled(False)
+    result = {"command": "python benchmarks/attention_micro.py " + " ".join(argv or []),
+              "machine": f"{platform.machine()} {torch.get_num_threads()} threads", "torch": torch.__version__,
+              "num_reqs": args.num_reqs, "reps": args.reps, "contexts": {}}
+    for ctx in args.contexts:
+        result["contexts"][ctx] = {"HySparse": hysparse_roles(args.num_reqs, ctx, args.reps),
+                                   "HySparse2": hysparse2_roles(args.num_reqs, ctx, args.reps)}
+    text = markdown(result)
+    print(text)
+    args.results.mkdir(parents=True, exist_ok=True)
+    stem = args.results / f"attention_micro_{datetime.datetime.now():%Y-%m-%d_%H%M}"
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    stem.with_suffix(".md").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
