@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from csrc_triton import cpu_ext
+
 # Floats one gathered or scored tensor may hold; bounds the rows handled at once.
 ELEMENT_BUDGET = 1 << 24
 
@@ -146,6 +148,49 @@ def gather_rows(cache: torch.Tensor, block_table: torch.Tensor, reqs: torch.Tens
     return tokens.index_select(0, index.flatten()).view(*index.shape, dim).float()
 
 
+def interleaved(k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor | None:
+    """The `[num_pages, G, page, D_k + D_v]` tensor that both views slice (vLLM's page layout), or None.
+
+    Gathering it once moves each token's K and V as one contiguous run,
+    instead of two strided half-rows.
+    """
+    d = k_cache.shape[-1]
+    if (k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or k_cache.stride(2) != 2 * d
+            or v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype
+            or v_cache.data_ptr() != k_cache.data_ptr() + d * k_cache.element_size()):
+        return None
+    return torch.as_strided(k_cache, (*k_cache.shape[:3], 2 * d), k_cache.stride())
+
+
+def _split(kv: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return kv[..., :d], kv[..., d:]
+
+
+def gather_context_kv(k_cache, v_cache, block_table, reqs, num_keys):
+    """`gather_context` of keys and values: two `[n, G, num_keys, D]` float32 tensors (views of one gather if they can)."""
+    base = interleaved(k_cache, v_cache)
+    if base is None:
+        return (gather_context(k_cache, block_table, reqs, num_keys),
+                gather_context(v_cache, block_table, reqs, num_keys))
+    return _split(gather_context(base, block_table, reqs, num_keys), k_cache.shape[-1])
+
+
+def gather_request_kv(k_cache, v_cache, block_table_row, num_keys):
+    """`gather_request` of keys and values: two `[G, num_keys, D]` float32 tensors."""
+    reqs = torch.zeros(1, dtype=torch.long, device=k_cache.device)
+    k, v = gather_context_kv(k_cache, v_cache, block_table_row[None], reqs, num_keys)
+    return k[0], v[0]
+
+
+def gather_rows_kv(k_cache, v_cache, block_table, reqs, positions):
+    """`gather_rows` of keys and values: two `[n, G, S, D]` float32 tensors."""
+    base = interleaved(k_cache, v_cache)
+    if base is None:
+        return (gather_rows(k_cache, block_table, reqs, positions),
+                gather_rows(v_cache, block_table, reqs, positions))
+    return _split(gather_rows(base, block_table, reqs, positions), k_cache.shape[-1])
+
+
 def sink_softmax(z: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
     """Softmax over the last dim with an optional sink logit in the denominator.
 
@@ -199,8 +244,7 @@ def attend_positions(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     n, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     positions = torch.where(valid, positions, 0)  # position 0 always holds data: no NaN from unwritten slots
-    k = gather_rows(k_cache, block_table, reqs, positions)
-    v = gather_rows(v_cache, block_table, reqs, positions)
+    k, v = gather_rows_kv(k_cache, v_cache, block_table, reqs, positions)
     qg = q.float().view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
     z = grouped_logits(qg, k, scale).masked_fill_(~valid[:, :, None, :], float("-inf"))  # [n, G, P, S]
     p = sink_softmax(z, sinks)
@@ -265,8 +309,7 @@ def sparse_attention(q, k_cache, v_cache, block_table, plan: BatchPlan, out, *, 
                 rows = torch.arange(run.start + s, run.start + e, device=q.device)
                 gathered(rows, torch.full_like(rows, run.req))
             continue
-        k = gather_request(k_cache, block_table[run.req], run.seq_len)
-        v = gather_request(v_cache, block_table[run.req], run.seq_len)
+        k, v = gather_request_kv(k_cache, v_cache, block_table[run.req], run.seq_len)
         for s, e in chunks(run.end - run.start, ELEMENT_BUDGET // (2 * num_heads * run.seq_len)):
             a, b = run.start + s, run.start + e
             num_keys = run.first_pos + (b - run.start)
@@ -274,16 +317,19 @@ def sparse_attention(q, k_cache, v_cache, block_table, plan: BatchPlan, out, *, 
             out[a:b] = o.to(out.dtype)
 
 
-def oracle_attention_rows(q, k_cache, v_cache, block_table, plan: BatchPlan, out, indices, attend) -> None:
-    """Drive an oracle role over a step: exact causal attention plus a per-row selection.
+def oracle_attention_rows(q, k_cache, v_cache, block_table, plan: BatchPlan, out, indices, *, scale: float,
+                          select) -> None:
+    """Drive an oracle role over a step: exact causal attention plus a per-row selection from the same logits.
 
-    Decode rows are handled together over their requests' keys padded to the
-    longest; each prefill run over its own keys, in row chunks.
+    Decode rows are handled together: by the C++ kernel straight from the
+    pages where it is built (float32, vLLM's interleaved page layout), else
+    over their requests' keys gathered and padded to the longest. Each prefill
+    run is handled over its own keys, in row chunks, by matrix products.
 
     Args:
         q: `[T, H, D]`; out `[T, H, D]` and indices `[T, G, width]`: rows `[0, plan.num_tokens)` are written.
-        attend: `(q [b, G, r, P, D], k [b, G, S, D], v, limit [b, r]) -> (o [b, G, r, P, D],
-            ids [b, r, G, width])`, where row i of batch b sees keys `j <= limit[b, i]`.
+        select: `(z [b, G, r, P, S], lse [b, G, r, P, 1], limit [b, r]) -> ids [b, r, G, width]`, where
+            row i of batch b sees keys `j <= limit[b, i]` and z is -inf past it.
     """
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[1]
@@ -295,24 +341,34 @@ def oracle_attention_rows(q, k_cache, v_cache, block_table, plan: BatchPlan, out
 
     if plan.num_decodes:
         num_keys = plan.max_decode_len
-        per_req = num_keys * (2 * num_kv_heads * head_dim + 3 * num_heads)
+        base = interleaved(k_cache, v_cache) if k_cache.dtype == torch.float32 else None
+        ext = cpu_ext.load() if base is not None and base.device.type == "cpu" else None
+        per_req = num_keys * (num_heads if ext else 2 * num_kv_heads * head_dim + 3 * num_heads)
         for s, e in chunks(plan.num_decodes, ELEMENT_BUDGET // per_req):
             rows, reqs, lens = plan.decode_rows[s:e], plan.decode_reqs[s:e], plan.decode_lens[s:e]
-            k = gather_context(k_cache, block_table, reqs, num_keys)
-            v = gather_context(v_cache, block_table, reqs, num_keys)
-            # keys past a shorter request's end are other data (or never written): no weight, no NaN
-            past = torch.arange(num_keys, device=q.device)[None, None, :, None] >= lens[:, None, None, None]
-            v.masked_fill_(past, 0.0)
-            qg = q[rows].float().view(-1, num_kv_heads, 1, per_group, head_dim)
-            write(rows, *attend(qg, k, v, (lens - 1)[:, None]))
+            limit = (lens - 1)[:, None]
+            if ext is not None:
+                o, z, lse = ext.paged_decode(q[rows].float(), base, block_table, reqs, lens, num_keys, scale)
+                shape = (e - s, num_kv_heads, 1, per_group)
+                o, z, lse = o.view(*shape, head_dim), z.view(*shape, num_keys), lse.view(*shape, 1)
+            else:
+                k, v = gather_context_kv(k_cache, v_cache, block_table, reqs, num_keys)
+                # keys past a shorter request's end are other data (or never written): no weight, no NaN
+                past = torch.arange(num_keys, device=q.device)[None, None, :, None] >= lens[:, None, None, None]
+                v.masked_fill_(past, 0.0)
+                qg = q[rows].float().view(-1, num_kv_heads, 1, per_group, head_dim)
+                z, lse, o = causal_attention(qg, k, v, limit, scale)
+            write(rows, o, select(z, lse, limit))
     for run in plan.prefills:
-        k = gather_request(k_cache, block_table[run.req], run.seq_len)[None]
-        v = gather_request(v_cache, block_table[run.req], run.seq_len)[None]
+        k, v = gather_request_kv(k_cache, v_cache, block_table[run.req], run.seq_len)
+        k, v = k[None], v[None]
         for s, e in chunks(run.end - run.start, ELEMENT_BUDGET // (3 * num_heads * run.seq_len)):
             a, b = run.start + s, run.start + e
             num_keys = run.first_pos + (b - run.start)
             qg = group_queries(q[a:b], num_kv_heads)[None]  # [1, G, r, P, D]
-            write(slice(a, b), *attend(qg, k[:, :, :num_keys], v[:, :, :num_keys], plan.row_pos[a:b][None]))
+            limit = plan.row_pos[a:b][None]
+            z, lse, o = causal_attention(qg, k[:, :, :num_keys], v[:, :, :num_keys], limit, scale)
+            write(slice(a, b), o, select(z, lse, limit))
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limit: torch.Tensor, scale: float):
@@ -321,8 +377,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limit: t
     Args:
         q: `[b, G, r, P, D]` float32; k, v: `[b, G, S, D]` float32; limit: `[b, r]` last visible key of each row.
     Returns:
-        logits z `[b, G, r, P, S]` (-inf past the limit), lse `[b, G, r, P, 1]`, probabilities of z's shape,
-        and the output `[b, G, r, P, D]`.
+        logits z `[b, G, r, P, S]` (-inf past the limit), lse `[b, G, r, P, 1]` and the output `[b, G, r, P, D]`.
     """
     b, g, r, p, d = q.shape
     s = k.shape[2]
@@ -332,4 +387,4 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limit: t
     lse = torch.logsumexp(z, dim=-1, keepdim=True)
     probs = torch.exp(z - lse)
     o = torch.matmul(probs.view(b, g, r * p, s), v).view(b, g, r, p, d)
-    return z, lse, probs, o
+    return z, lse, o

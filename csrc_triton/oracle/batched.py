@@ -9,29 +9,29 @@ import torch
 
 from csrc_triton.oracle.naive import top_blocks
 from csrc_triton.paged_args import check_paged_batch
-from csrc_triton.paged_batch import BatchPlan, causal_attention, oracle_attention_rows, plan_or_make
+from csrc_triton.paged_batch import BatchPlan, oracle_attention_rows, plan_or_make
 
 
-def attend_and_score(q, k, v, limit, scale: float, sparse_block_size: int, topk: int):
-    """Causal attention plus the oracle's top-k blocks (SPEC §3.1).
+def select_blocks(z, lse, limit, sparse_block_size: int, topk: int):
+    """The oracle's top-k blocks from a row's logits (SPEC §3.1, Eq. 3).
 
     Args:
-        q: `[b, G, r, P, D]`; k, v: `[b, G, S, D]` float32; limit: `[b, r]` each row's position.
+        z: `[b, G, r, P, S]` logits, -inf past each row's position; lse: `[b, G, r, P, 1]`;
+        limit: `[b, r]` each row's position.
     Returns:
-        o `[b, G, r, P, D]` float32 and block ids `[b, r, G, topk]` (ascending, -1 padded).
+        block ids `[b, r, G, topk]` (ascending, -1 padded).
     """
-    b, g, r = q.shape[:3]
-    z, lse, _, o = causal_attention(q, k, v, limit, scale)
+    b, g, r = z.shape[:3]
     s = z.shape[-1]
     num_blocks = -(-s // sparse_block_size)
     if num_blocks * sparse_block_size != s:
         z = torch.nn.functional.pad(z, (0, num_blocks * sparse_block_size - s), value=float("-inf"))
     u = z.view(*z.shape[:-1], num_blocks, sparse_block_size).amax(dim=-1)  # [b, G, r, P, NB] block maxima
     scores = torch.exp(u - lse).amax(dim=3)  # [b, G, r, NB]: S = exp(u - lse), max over the group's heads
-    starts = torch.arange(num_blocks, device=q.device) * sparse_block_size
+    starts = torch.arange(num_blocks, device=z.device) * sparse_block_size
     visible = starts[None, None, :] <= limit[:, :, None]  # [b, r, NB]
     ids = top_blocks(scores.transpose(1, 2).reshape(b * r, g, num_blocks), visible.reshape(b * r, num_blocks), topk)
-    return o, ids.view(b, r, g, topk)
+    return ids.view(b, r, g, topk)
 
 
 def oracle_attention_batched(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, *, scale,
@@ -45,8 +45,8 @@ def oracle_attention_batched(q, k_cache, v_cache, block_table, query_start_loc, 
     indices = torch.full((q.shape[0], k_cache.shape[1], topk), -1, dtype=torch.int32, device=q.device)
     out[plan.num_tokens:].zero_()
 
-    def attend(qg, k, v, limit):
-        return attend_and_score(qg, k, v, limit, scale, sparse_block_size, topk)
+    def select(z, lse, limit):
+        return select_blocks(z, lse, limit, sparse_block_size, topk)
 
-    oracle_attention_rows(q, k_cache, v_cache, block_table, plan, out, indices, attend)
+    oracle_attention_rows(q, k_cache, v_cache, block_table, plan, out, indices, scale=scale, select=select)
     return out, indices

@@ -10,7 +10,7 @@ scored once. Decode rows of all requests run together. The top-k is a
 import torch
 
 from csrc_triton.paged_args import check_paged_batch
-from csrc_triton.paged_batch import BatchPlan, causal_attention, oracle_attention_rows, plan_or_make
+from csrc_triton.paged_batch import BatchPlan, oracle_attention_rows, plan_or_make
 
 REDUCES = ("max", "sum")
 
@@ -46,20 +46,21 @@ def select_tokens(r: torch.Tensor, pos: torch.Tensor, topk_tokens: int, recent_w
     return ids[..., :width]
 
 
-def attend_and_select(q, k, v, limit, scale: float, topk_tokens: int, recent_window: int, reduce: str):
-    """Causal attention plus the token selection S_t.
+def select_from_logits(z, lse, limit, topk_tokens: int, recent_window: int, reduce: str):
+    """The token selection S_t from a row's logits: exact probabilities, reduced over the group's heads.
 
     Args:
-        q: `[b, G, r, P, D]`; k, v: `[b, G, S, D]` float32; limit: `[b, r]` each row's position.
+        z: `[b, G, r, P, S]` logits, -inf past each row's position; lse: `[b, G, r, P, 1]`;
+        limit: `[b, r]` each row's position.
     Returns:
-        o `[b, G, r, P, D]` float32 and positions `[b, r, G, topk_tokens + recent_window]`.
+        positions `[b, r, G, topk_tokens + recent_window]`.
     """
-    b, g, r = q.shape[:3]
-    _, _, probs, o = causal_attention(q, k, v, limit, scale)
+    b, g, r = z.shape[:3]
+    probs = torch.exp(z - lse)
     reduced = probs.amax(dim=3) if reduce == "max" else probs.sum(dim=3)  # [b, G, r, S]
     s = reduced.shape[-1]
     ids = select_tokens(reduced.transpose(1, 2).reshape(b * r, g, s), limit.reshape(-1), topk_tokens, recent_window)
-    return o, ids.view(b, r, g, -1)
+    return ids.view(b, r, g, -1)
 
 
 def token_oracle_attention_batched(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, *, scale,
@@ -78,8 +79,8 @@ def token_oracle_attention_batched(q, k_cache, v_cache, block_table, query_start
     indices = torch.full((q.shape[0], k_cache.shape[1], width), -1, dtype=torch.int32, device=q.device)
     out[plan.num_tokens:].zero_()
 
-    def attend(qg, k, v, limit):
-        return attend_and_select(qg, k, v, limit, scale, topk_tokens, recent_window, score_head_reduce)
+    def select(z, lse, limit):
+        return select_from_logits(z, lse, limit, topk_tokens, recent_window, score_head_reduce)
 
-    oracle_attention_rows(q, k_cache, v_cache, block_table, plan, out, indices, attend)
+    oracle_attention_rows(q, k_cache, v_cache, block_table, plan, out, indices, scale=scale, select=select)
     return out, indices

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import csrc_triton.paged_batch as paged_batch
+from csrc_triton import cpu_ext
 from csrc_triton.block_sparse import block_sparse_attention_naive
 from csrc_triton.block_sparse.batched import block_sparse_attention_batched
 from csrc_triton.oracle import oracle_attention_naive
@@ -34,13 +35,23 @@ def prefill_path(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=["cpp", "torch"])
+def decode_path(request, monkeypatch):
+    """Decode rows of the oracles: the C++ kernel (float32, interleaved pages) or the gathered PyTorch path."""
+    if request.param == "cpp":
+        assert cpu_ext.load() is not None, "the C++ CPU kernel must build here (see csrc_triton/cpu_ext.py)"
+    else:
+        monkeypatch.setattr(cpu_ext, "load", lambda name="oracle_decode": None)
+    return request.param
+
+
 def oracle_args(batch, q, case):
     return (q, batch.k_cache, batch.v_cache, batch.block_table, batch.query_start_loc, batch.seq_lens_t)
 
 
 @pytest.mark.parametrize("case", orc.CASES + [orc.DECODE, orc.LONG], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_oracle(case, dtype):
+def test_oracle(case, dtype, decode_path):
     batch, q = orc.make_inputs(case, dtype, seed=11)
     ref = orc.run(oracle_attention_naive, batch, q, case)
     out = nan_like(q)
@@ -50,7 +61,7 @@ def test_oracle(case, dtype):
     orc.check_against_naive(case, dtype, (*got, ref[2]), ref, batch)
 
 
-def test_oracle_ties_go_to_smaller_blocks():
+def test_oracle_ties_go_to_smaller_blocks(decode_path):
     case = orc.Case([100, 1], [100, 37], block_size=16, topk=3)
     batch, q = orc.make_inputs(case, torch.float32)
     _, ids = oracle_attention_batched(*oracle_args(batch, torch.zeros_like(q), case), scale=case.head_dim ** -0.5,
@@ -74,7 +85,7 @@ def test_oracle_with_plan_matches_without():
 @pytest.mark.parametrize("case", tor.CASES + [tor.LONG], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("reduce", ["max", "sum"])
-def test_token_oracle(case, dtype, reduce):
+def test_token_oracle(case, dtype, reduce, decode_path):
     batch, q = tor.make_inputs(case, dtype, seed=12)
     ref = tor.run(token_oracle_attention_naive, batch, q, case, reduce)
     out = nan_like(q)
@@ -84,7 +95,7 @@ def test_token_oracle(case, dtype, reduce):
 
 
 @pytest.mark.parametrize("reduce", ["max", "sum"])
-def test_token_oracle_ties_go_to_smaller_positions(reduce):
+def test_token_oracle_ties_go_to_smaller_positions(reduce, decode_path):
     case = tor.Case([40, 1, 1], [40, 30, 12], topk=5, window=4)
     batch, q = tor.make_inputs(case, torch.float32)
     _, ids = tor.run(token_oracle_attention_batched, batch, torch.zeros_like(q), case, reduce)

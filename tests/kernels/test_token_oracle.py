@@ -246,3 +246,13 @@ def test_token_oracle_attention_bf16(case):
     out, ids = run(token_oracle_attention, batch, q, case, out=nan_like(q))
     torch.testing.assert_close(out, ref_out, atol=3e-2, rtol=3e-2)
     assert_same_selection(ids, ref_ids, reference_scores(batch, q, case, "max"), batch.positions(), case)
+
+
+def test_scratch_bounded_by_max_seq_len():
+    """A host bound on the sequence lengths (vLLM's max_seq_len) narrows the scratch without changing results."""
+    case = Case([12, 1, 1], [12, 40, 25], topk=6, window=4)
+    batch, q = make_inputs(case, torch.float32, seed=4)
+    wide = run(token_oracle_attention, batch, q, case)
+    narrow = run(token_oracle_attention, batch, q, case, max_seq_len=max(batch.seq_lens))
+    torch.testing.assert_close(narrow[0], wide[0], atol=1e-6, rtol=1e-6)
+    assert torch.equal(narrow[1], wide[1])

@@ -1,0 +1,53 @@
+# SPDX-License-Identifier: Apache-2.0
+"""C++ CPU kernels, compiled once per machine with `torch.utils.cpp_extension` (JIT, cached).
+
+`scripts/setup_env.sh` builds them at install time, so an engine finds them
+ready. Where no compiler is available (or `VLLM_HYSPARSE_CPU_EXT=0`), callers
+get None and stay on the PyTorch path, with one warning.
+"""
+
+import hashlib
+import logging
+import os
+import threading
+from pathlib import Path
+
+CPU_EXT_ENV = "VLLM_HYSPARSE_CPU_EXT"
+_SOURCES = {"oracle_decode": Path(__file__).parent / "oracle" / "cpu_decode.cpp"}
+# -ffast-math lets GCC call glibc's vector expf; -fno-finite-math-only keeps the -inf masks exact.
+# -fopenmp: at::parallel_for is OpenMP in the header, and serial without it.
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"]
+_LOCK = threading.Lock()
+_LOADED: dict[str, object] = {}
+logger = logging.getLogger("vllm.hysparse")
+
+
+def _machine_tag() -> str:
+    """Builds use -march=native: key the cache by this CPU's flags so no build runs on another CPU."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = os.uname().machine
+    return hashlib.sha1(flags.encode()).hexdigest()[:10]
+
+
+def load(name: str = "oracle_decode"):
+    """The compiled module `name`, or None when it cannot be built here (then the PyTorch twin runs)."""
+    with _LOCK:
+        if name not in _LOADED:
+            _LOADED[name] = _build(name)
+        return _LOADED[name]
+
+
+def _build(name: str):
+    if os.environ.get(CPU_EXT_ENV, "1") in ("0", "false", "False"):
+        return None
+    try:
+        from torch.utils.cpp_extension import load as jit_load
+
+        return jit_load(name=f"hysparse_{name}_{_machine_tag()}", sources=[str(_SOURCES[name])],
+                        extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as exc:  # noqa: BLE001 - any build failure means: use the PyTorch path
+        logger.warning("HySparse C++ CPU kernel %s unavailable (%s: %s); using the PyTorch path",
+                       name, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        return None

@@ -1,0 +1,117 @@
+// SPDX-License-Identifier: Apache-2.0
+// Oracle decode on the CPU: exact attention of single-row queries over their requests' pages,
+// keeping the logits (the oracles select blocks or tokens from the same scores).
+//
+// One pass over each request's pages, straight from the paged cache (keys, then the same
+// page's values while it is in cache, with an online softmax): the PyTorch twin must first
+// copy every page of the context, which costs more than the attention itself. Work is split
+// over (row, KV group) pairs.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// q [N, H, D], kv [pages, G, page, 2D] (K then V in the last dim), float32.
+// Returns out [N, H, D], logits [N, H, max_len] (-inf past each row's length) and lse [N, H].
+std::vector<torch::Tensor> paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor block_table,
+                                        torch::Tensor reqs, torch::Tensor lens, int64_t max_len, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32, "q: expected [N, H, D] float32");
+  TORCH_CHECK(kv.dim() == 4 && kv.scalar_type() == torch::kFloat32, "kv: expected [pages, G, page, 2D] float32");
+  TORCH_CHECK(kv.stride(3) == 1, "kv: the last dim must be contiguous");
+  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && block_table.stride(1) == 1,
+              "block_table: expected int32 with contiguous rows");
+  TORCH_CHECK(reqs.scalar_type() == torch::kLong && lens.scalar_type() == torch::kLong, "reqs, lens: int64");
+  q = q.contiguous();
+  reqs = reqs.contiguous();
+  lens = lens.contiguous();
+  const int64_t n = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t groups = kv.size(1), page = kv.size(2);
+  TORCH_CHECK(kv.size(3) == 2 * dim, "kv: last dim must be 2 * head dim");
+  TORCH_CHECK(heads % groups == 0, "query heads must be a multiple of KV groups");
+  const int64_t per_group = heads / groups;
+  auto out = torch::empty({n, heads, dim}, q.options());
+  auto logits = torch::empty({n, heads, max_len}, q.options());
+  auto lse = torch::empty({n, heads}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kvp = kv.data_ptr<float>();
+  const int32_t* bt = block_table.data_ptr<int32_t>();
+  const int64_t* rp = reqs.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  float* zp = logits.data_ptr<float>();
+  float* sp = lse.data_ptr<float>();
+  const int64_t s_page = kv.stride(0), s_group = kv.stride(1), s_tok = kv.stride(2);
+  const int64_t s_bt = block_table.stride(0);
+  const float fscale = static_cast<float>(scale);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+
+  at::parallel_for(0, n * groups, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> m(per_group), l(per_group), acc(per_group * dim), w(page);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t row = task / groups, g = task % groups;
+      const int64_t len = std::min(lp[row], max_len);
+      const int32_t* pages = bt + rp[row] * s_bt;
+      const float* qg = qp + (row * heads + g * per_group) * dim;
+      float* zg = zp + (row * heads + g * per_group) * max_len;
+      std::fill(m.begin(), m.end(), neg_inf);
+      std::fill(l.begin(), l.end(), 0.f);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      // one page at a time, keys then values while the page is in cache (online softmax)
+      for (int64_t first = 0; first < len; first += page) {
+        const int64_t count = std::min(page, len - first);
+        const float* slab = kvp + pages[first / page] * s_page + g * s_group;
+        for (int64_t p = 0; p < per_group; ++p) {
+          const float* qh = qg + p * dim;
+          float* z = zg + p * max_len + first;
+          float mx = m[p];
+          for (int64_t t = 0; t < count; ++t) {
+            const float* k = slab + t * s_tok;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < dim; ++d) dot += qh[d] * k[d];
+            z[t] = dot * fscale;
+            mx = std::max(mx, z[t]);
+          }
+          const float rescale = std::exp(m[p] - mx);  // 0 on the first page (m = -inf)
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t t = 0; t < count; ++t) {
+            w[t] = std::exp(z[t] - mx);
+            sum += w[t];
+          }
+          l[p] = l[p] * rescale + sum;
+          m[p] = mx;
+          float* a = acc.data() + p * dim;
+#pragma omp simd
+          for (int64_t d = 0; d < dim; ++d) a[d] *= rescale;
+          for (int64_t t = 0; t < count; ++t) {
+            const float* v = slab + t * s_tok + dim;
+            const float wt = w[t];
+#pragma omp simd
+            for (int64_t d = 0; d < dim; ++d) a[d] += wt * v[d];
+          }
+        }
+      }
+      for (int64_t p = 0; p < per_group; ++p) {
+        const int64_t h = g * per_group + p;
+        float* o = op + (row * heads + h) * dim;
+        const float inv = len > 0 ? 1.f / l[p] : 0.f;
+        for (int64_t d = 0; d < dim; ++d) o[d] = acc[p * dim + d] * inv;
+        sp[row * heads + h] = len > 0 ? m[p] + std::log(l[p]) : neg_inf;
+        std::fill(zg + p * max_len + len, zg + (p + 1) * max_len, neg_inf);
+      }
+    }
+  });
+  return {out, logits, lse};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "Oracle decode attention over a paged cache, keeping the logits");
+}
