@@ -192,6 +192,16 @@ def oracle_decode_reduce_kernel(
     tl.store(p_i, b_sel, mask=(o_k < TOPK)[None, :])
 
 
+def reduce_num_warps(num_splits, block_h, block_d):
+    """Warps of `oracle_decode_reduce_kernel`: at most 32 of its `[NUM_SPLITS, BLOCK_H, BLOCK_D]` fp32
+    partials per thread, 4 to 16 warps.
+
+    The merge holds every partial at once and only streams them, so more warps cost nothing; with 4
+    warps, 16 splits x 16 heads spill from head dim 128 up (sm_90 AOT builds, tests/kernels_aot).
+    """
+    return min(16, max(4, num_splits * block_h * block_d // (32 * 32)))
+
+
 def oracle_decode_fwd(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, out, indices, block_u, block_lse,
                       *, scale, sparse_block_size, topk, store_scores, num_splits):
     """Launches both split-KV stages on checked inputs and allocated outputs (`kernel.oracle_fwd`)."""
@@ -270,5 +280,5 @@ def oracle_decode_fwd(q, k_cache, v_cache, block_table, query_start_loc, seq_len
         BLOCK_H=block_h,
         BLOCK_D=block_d,
         STORE_SCORES=store_scores,
-        num_warps=4,
+        num_warps=reduce_num_warps(num_splits, block_h, block_d),
     )

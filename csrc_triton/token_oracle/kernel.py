@@ -336,6 +336,7 @@ def launch_config(head_dim, heads_per_group, page_size, block_q, dot_fp32):
 
     Chosen from sm_90 AOT builds with triton 3.9: with these, no tested (heads per group,
     head dim) spills, where 4 warps spill from head dim 80 up and 64-row blocks spill at 128.
+    tests/kernels_aot builds them at the presets' shapes (triton 3.6 too: see num_warps).
     """
     assert block_q >= 1 and block_q & (block_q - 1) == 0, f"block_q must be a power of two (got {block_q})"
     block_h = triton.next_power_of_2(heads_per_group)
@@ -348,7 +349,8 @@ def launch_config(head_dim, heads_per_group, page_size, block_q, dot_fp32):
         # tl.dot needs at least 16 rows on GPUs; padded rows are masked
         "BLOCK_M": max(16, block_q * block_h),
         "BLOCK_N": block_n, "BLOCK_D": block_d, "DOT_FP32": dot_fp32,
-        "num_warps": 8 if block_d >= 64 else 4,
+        # 8 warps spill 12 B on the many-rows 32-row tiles at head dim 128 with triton 3.6
+        "num_warps": 4 if block_d < 64 or (block_q > 1 and block_d == 128) else 8,
     }
 
 
@@ -375,7 +377,7 @@ def finish_selection(keys, pos, num_kv_heads, topk_tokens, recent_window):
 
 def token_oracle_fwd(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, *, scale, topk_tokens,
                      recent_window, score_head_reduce="max", out=None, num_splits=None, block_q=None,
-                     scratch_bytes=SCRATCH_BYTES):
+                     scratch_bytes=SCRATCH_BYTES, max_seq_len=None):
     """`token_oracle_attention` with the launch choices exposed (tests).
 
     Args:
@@ -383,6 +385,8 @@ def token_oracle_fwd(q, k_cache, v_cache, block_table, query_start_loc, seq_lens
         block_q (int, Optional): query rows per program, a power of two; 1 is the decode layout.
             Default: `None` (1 for decode batches, else `PREFILL_ROWS // heads per group`).
         scratch_bytes (int): cap on the top-k scratch buffer; at least one row is always processed.
+        max_seq_len (int, Optional): a host bound on `seq_lens` (vLLM's metadata has one); it bounds
+            the scratch and its top-k by the step's sequences instead of the block table's capacity.
     """
     out = check_args(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, topk_tokens, recent_window,
                      score_head_reduce, out)
@@ -399,6 +403,8 @@ def token_oracle_fwd(q, k_cache, v_cache, block_table, query_start_loc, seq_lens
 
     dot_fp32 = dot_in_fp32(q)
     max_keys = block_table.shape[1] * page_size
+    if max_seq_len is not None:
+        max_keys = min(max_keys, -(-max_seq_len // page_size) * page_size)
     heads_per_group = num_heads // num_kv_heads
     if block_q is None:
         block_q = 1 if num_tokens == num_reqs else max(1, PREFILL_ROWS // triton.next_power_of_2(heads_per_group))
@@ -457,7 +463,7 @@ def token_oracle_fwd(q, k_cache, v_cache, block_table, query_start_loc, seq_lens
 
 
 def token_oracle_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, *, scale, topk_tokens,
-                           recent_window, score_head_reduce="max", out=None):
+                           recent_window, score_head_reduce="max", out=None, max_seq_len=None):
     """Causal paged attention of a HySparse2 cross full layer and its token selection S_t (SPEC §3.3).
 
     Args:
@@ -482,4 +488,4 @@ def token_oracle_attention(q, k_cache, v_cache, block_table, query_start_loc, se
     """
     return token_oracle_fwd(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale=scale,
                             topk_tokens=topk_tokens, recent_window=recent_window,
-                            score_head_reduce=score_head_reduce, out=out)
+                            score_head_reduce=score_head_reduce, out=out, max_seq_len=max_seq_len)

@@ -1,0 +1,200 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Every `csrc_triton` kernel, at the launch configs its launcher picks, builds for sm_90 without spills.
+
+Shapes: the GQA group size and selection sizes of each preset of the model
+that uses the kernel (`vllm_hysparse.tools.presets`), head dims 64 / 128 /
+256, 16-slot pages, bf16 and fp16. Each launcher runs on `meta` tensors and
+its launches are built ahead of time (`sm90.py`), all at once in worker
+processes; a case fails on any spilled byte or on more shared memory than sm_90
+gives a block. The resource table is printed at the end of the run.
+
+    .venv/bin/python -m pytest tests/kernels_aot -q   # its own process: no TRITON_INTERPRET
+"""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from tests.kernels_aot.sm90 import (RESULTS, SM90_MAX_SHARED, Build, build_pool, record_launches, skip_reason,
+                                    start_builds)
+from vllm_hysparse.tools.presets import PRESETS
+
+_SKIP = skip_reason()
+pytestmark = pytest.mark.skipif(_SKIP is not None, reason=f"sm_90 AOT builds unavailable: {_SKIP}")
+
+PAGE_SIZE = 16
+HEAD_DIMS = (64, 128, 256)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# two KV groups per program grid; G only sizes the grid, never a compiled constant
+NUM_KV_HEADS = 2
+# Prefill: 2 requests, 300 query rows, up to 4K keys. Decode: one-token requests over up to 64K keys;
+# 4 of them take the launchers' most KV splits (16), 200 fill the GPU and take 1 split, the two ends of
+# the split-KV range. Counts are neither 1 nor multiples of 16, so the JIT would not specialise on them.
+PREFILL = {"num_reqs": 2, "num_tokens": 300, "max_keys": 4096}
+DECODE = {"num_reqs": 4, "num_tokens": 4, "max_keys": 65536}
+DECODE_BATCH = {"num_reqs": 200, "num_tokens": 200, "max_keys": 65536}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A preset's attention shape at one head dim and dtype."""
+
+    preset: str  # "<model>/<preset>"
+    heads_per_group: int
+    head_dim: int
+    dtype: str
+    block_size: int = 0  # HySparse: sparse_block_size, sparse_topk_blocks
+    topk_blocks: int = 0
+    topk_tokens: int = 0  # HySparse2: sparse_topk_tokens, recent_window
+    window: int = 0
+
+    def __str__(self):
+        return f"{self.preset.replace('/', '-')}-hpg{self.heads_per_group}-d{self.head_dim}-{self.dtype}"
+
+
+def preset_shapes(model: str, dtypes=tuple(DTYPES)) -> list[Shape]:
+    """Every preset of `model` at every head dim and dtype (presets give group and selection sizes)."""
+    shapes = []
+    for name, cfg in PRESETS[model].items():
+        hpg = cfg["num_attention_heads"] // cfg["num_key_value_heads"]
+        for d in HEAD_DIMS:
+            for dt in dtypes:
+                shapes.append(Shape(f"{model}/{name}", hpg, d, dt,
+                                    block_size=cfg.get("sparse_block_size", 0),
+                                    topk_blocks=cfg.get("sparse_topk_blocks", 0),
+                                    topk_tokens=cfg.get("sparse_topk_tokens", 0),
+                                    window=cfg.get("recent_window", 0)))
+    return shapes
+
+
+def paged_batch(shape: Shape, num_reqs: int, num_tokens: int, max_keys: int):
+    """Meta tensors of a vLLM paged batch: (q, k_cache, v_cache, block_table, query_start_loc, seq_lens).
+
+    q `[T, H, D]`; k/v `[pages, G, PAGE_SIZE, D]` views of one `[pages, G, PAGE_SIZE, 2D]`
+    tensor (vLLM's layout); block_table `[R, max_keys / PAGE_SIZE]`.
+    """
+    meta = {"device": "meta"}
+    dtype = DTYPES[shape.dtype]
+    d, h, g = shape.head_dim, shape.heads_per_group * NUM_KV_HEADS, NUM_KV_HEADS
+    max_pages = max_keys // PAGE_SIZE
+    q = torch.empty(num_tokens, h, d, dtype=dtype, **meta)
+    kv = torch.empty(num_reqs * max_pages, g, PAGE_SIZE, 2 * d, dtype=dtype, **meta)
+    block_table = torch.empty(num_reqs, max_pages, dtype=torch.int32, **meta)
+    query_start_loc = torch.empty(num_reqs + 1, dtype=torch.int32, **meta)
+    seq_lens = torch.empty(num_reqs, dtype=torch.int32, **meta)
+    return q, kv[..., :d], kv[..., d:], block_table, query_start_loc, seq_lens
+
+
+def oracle(shape: Shape, batch: dict):
+    """HySparse full layer: `oracle_attention` (prefill kernel, or both split-KV decode kernels)."""
+    import csrc_triton.oracle.decode as decode
+    import csrc_triton.oracle.kernel as kernel
+
+    with record_launches(kernel, decode) as launches:
+        kernel.oracle_attention(*paged_batch(shape, **batch), scale=0.1, sparse_block_size=shape.block_size,
+                                topk=shape.topk_blocks)
+    return launches
+
+
+def block_sparse(shape: Shape, batch: dict):
+    """HySparse sparse layer: `block_sparse_attention` with sinks."""
+    import csrc_triton.block_sparse.kernel as kernel
+
+    args = paged_batch(shape, **batch)
+    q, k_cache = args[0], args[1]
+    ids = torch.empty(q.shape[0], k_cache.shape[1], shape.topk_blocks, dtype=torch.int32, device="meta")
+    sinks = torch.empty(q.shape[1], dtype=torch.float32, device="meta")
+    with record_launches(kernel) as launches:
+        kernel.block_sparse_attention(*args, ids, scale=0.1, sparse_block_size=shape.block_size, sinks=sinks)
+    return launches
+
+
+def token_oracle(shape: Shape, batch: dict):
+    """HySparse2 cross full layer: `token_oracle_attention` (stats and score kernels)."""
+    import csrc_triton.token_oracle.kernel as kernel
+
+    with record_launches(kernel) as launches:
+        kernel.token_oracle_attention(*paged_batch(shape, **batch), scale=0.1, topk_tokens=shape.topk_tokens,
+                                      recent_window=shape.window)
+    return launches
+
+
+def token_sparse(shape: Shape, batch: dict):
+    """HySparse2 cross sparse layer: `token_sparse_attention` over top-k + window positions, with sinks."""
+    import csrc_triton.token_sparse.kernel as kernel
+
+    args = paged_batch(shape, **batch)
+    q, k_cache = args[0], args[1]
+    ids = torch.empty(q.shape[0], k_cache.shape[1], shape.topk_tokens + shape.window, dtype=torch.int32,
+                      device="meta")
+    sinks = torch.empty(q.shape[1], dtype=torch.float32, device="meta")
+    with record_launches(kernel) as launches:
+        kernel.token_sparse_attention(*args, ids, scale=0.1, sinks=sinks)
+    return launches
+
+
+# kind: (launcher, batch, model whose presets size it, dtypes). Block- and token-sparse configs do not
+# depend on the batch, so they build once. fp16 has built exactly as bf16 (same registers and shared
+# memory) in every case, so the 1-split decode batches, whose kernels differ from the 16-split ones in
+# NUM_SPLITS only, build in bf16 alone to keep the run short.
+KINDS = {
+    "oracle-prefill": (oracle, PREFILL, "hysparse", ("bf16", "fp16")),
+    "oracle-decode": (oracle, DECODE, "hysparse", ("bf16", "fp16")),
+    "oracle-decode_batch": (oracle, DECODE_BATCH, "hysparse", ("bf16",)),
+    "block_sparse": (block_sparse, PREFILL, "hysparse", ("bf16", "fp16")),
+    "token_oracle-prefill": (token_oracle, PREFILL, "hysparse2", ("bf16", "fp16")),
+    "token_oracle-decode": (token_oracle, DECODE, "hysparse2", ("bf16", "fp16")),
+    "token_oracle-decode_batch": (token_oracle, DECODE_BATCH, "hysparse2", ("bf16",)),
+    "token_sparse": (token_sparse, PREFILL, "hysparse2", ("bf16", "fp16")),
+}
+CASES = [pytest.param(kind, shape, id=f"{kind}-{shape}") for kind, (_, _, model, dtypes) in KINDS.items()
+         for shape in preset_shapes(model, dtypes)]
+
+_CONFIG_KEYS = ("BLOCK_Q", "BLOCK_M", "BLOCK_H", "BLOCK_N", "BLOCK_D", "NUM_SPLITS")
+
+
+def describe(kwargs: dict) -> str:
+    """The launch config in brief, e.g. `Q8 H16 N64 D128 w8` (block sizes, S: KV splits, w: warps)."""
+    parts = [f"{k.removeprefix('BLOCK_').replace('NUM_SPLITS', 'S')}{kwargs[k]}" for k in _CONFIG_KEYS
+             if k in kwargs]
+    return " ".join(parts + [f"w{kwargs.get('num_warps', 4)}"])
+
+
+def launch_case(kind: str, shape: Shape):
+    """The launches the kind's launcher makes at this shape."""
+    launcher, batch, _, _ = KINDS[kind]
+    return launcher(shape, batch)
+
+
+@pytest.fixture(scope="module")
+def builds(request):
+    """Build -> future Usage for every launch of the selected cases, all started at once in worker processes."""
+    cases = [(item.callspec.params["kind"], item.callspec.params["shape"]) for item in request.session.items
+             if item.module is request.module and hasattr(item, "callspec")]
+    pool = build_pool()
+    try:
+        yield start_builds([Build.of(launch) for case in cases for launch in launch_case(*case)], pool)
+    finally:
+        # after a failure with -x, drop the builds not started yet
+        pool.shutdown(cancel_futures=True)
+
+
+@pytest.mark.parametrize("kind, shape", CASES)
+def test_sm90_no_spills(kind, shape, builds):
+    """Every kernel the launcher launches at this shape: no spilled byte, shared memory within sm_90's limit."""
+    launches = launch_case(kind, shape)
+    assert launches, f"{kind}: the launcher launched no kernel"
+    problems = []
+    for launch in launches:
+        usage = builds[Build.of(launch)].result()
+        row = {"kind": kind, "shape": str(shape), "kernel": launch.fn.__name__, "config": describe(launch.kwargs),
+               **vars(usage)}
+        RESULTS.append(row)
+        what = (f"{row['kernel']} [{row['config']}]: {usage.regs} regs, {usage.spill_stores} B spill stores, "
+                f"{usage.spill_loads} B spill loads, {usage.shared} B shared")
+        if usage.spill_stores or usage.spill_loads:
+            problems.append(f"spills: {what}")
+        if usage.shared > SM90_MAX_SHARED:
+            problems.append(f"shared memory over sm_90's {SM90_MAX_SHARED} B: {what}")
+    assert not problems, "\n".join(problems)
