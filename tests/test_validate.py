@@ -146,3 +146,143 @@ def test_distillation_lowers_kl_in_the_validation_report(pair, tmp_path, capsys)
     AutoModelForCausalLM.from_pretrained(out)
     assert distill.main(["--teacher", str(root / "teacher"), "--student", str(root / "student"), "--text",
                          str(text), "--out", str(out), "--steps", "1"]) == 2
+
+
+# ----------------------------------------------------------------------------- HySparse2
+
+H2_STAGES = ["dense", "cross KV sharing", "sliding window", "token selection", "forced window", "bridge",
+             "early exit"]
+
+
+@pytest.fixture(scope="module")
+def pair2(tmp_path_factory):
+    """A peaked dense Llama teacher and its HySparse2 conversion: W F W | F S S, window 16 < SEQ."""
+    root = tmp_path_factory.mktemp("validate2")
+    torch.manual_seed(1)
+    cfg = LlamaConfig(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024)
+    teacher = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for layer in teacher.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8)
+            layer.self_attn.k_proj.weight.mul_(8)
+    teacher.save_pretrained(root / "teacher")
+    build_hf_tokenizer().save_pretrained(root / "teacher")
+    conv = plan_conversion(root / "teacher", "hysparse2", PlanOptions(swa_window=16, topk_tokens=8, recent_window=16))
+    assert conv.config.layer_types == ["sliding_attention", "full_attention", "sliding_attention",
+                                       "full_attention", "sparse_attention", "sparse_attention"]
+    convert(conv, root / "student")
+    text = Path(sysconfig.get_paths()["stdlib"], "textwrap.py").read_text()
+    report = validate.validate(str(root / "teacher"), str(root / "student"), text, seq_len=SEQ, max_windows=1)
+    ids = validate.token_windows(validate.AutoTokenizer.from_pretrained(root / "student"), text, SEQ, 1)[0]
+    return root, report, ids
+
+
+def _teacher_logp(root, ids):
+    teacher = AutoModelForCausalLM.from_pretrained(root / "teacher", dtype=torch.float32).eval()
+    with torch.no_grad():
+        return torch.log_softmax(teacher(ids).logits[0].double(), -1)
+
+
+def _kl(t_logp, s_logits):
+    s_logp = torch.log_softmax(s_logits[0].double(), -1)
+    return float((t_logp.exp() * (t_logp - s_logp)).sum(-1).mean())
+
+
+def test_hysparse2_stages_follow_spec_order(pair2):
+    _, report, _ = pair2
+    assert [s["stage"] for s in report["stages"]] == H2_STAGES
+    on = [name for name, sw in zip(H2_STAGES, (s["switches"] for s in report["stages"])) if all(sw.values())]
+    assert on == ["early exit"]
+    assert not any(report["stages"][0]["switches"].values())
+    assert set(report["stages"][0]["switches"]) == {"cross_kv_sharing", "sliding_window", "token_selection",
+                                                    "forced_window", "bridge", "early_exit"}
+    assert all(s["rows"] == SEQ for s in report["stages"])
+
+
+def test_hysparse2_dense_stage_reproduces_the_teacher(pair2):
+    root, report, _ = pair2
+    dense = report["stages"][0]
+    assert dense["kl"] < 1e-9 and dense["top1"] == 1.0
+    assert all(row["cosine"] > 1 - 1e-6 for row in dense["layers"].values())
+    assert dense["perplexity"] == pytest.approx(report["teacher_perplexity"], rel=1e-6)
+    # The teacher's K/V were borrowed in memory only: the student checkpoint still has none for its sparse layers.
+    student = AutoModelForCausalLM.from_pretrained(root / "student", dtype=torch.float32)
+    assert not hasattr(student.model.layers[4].self_attn, "k_proj")
+
+
+def test_hysparse2_new_switches_match_loop_oracle_and_change_the_output(pair2):
+    """KL of 'cross KV sharing' and 'sliding window' against the loop oracle of SPEC §3.3, and each one's effect."""
+    from tests.reference._reference_math import hysparse2_forward
+
+    root, report, ids = pair2
+    student = AutoModelForCausalLM.from_pretrained(root / "student", dtype=torch.float32)
+    sd = {k: v.detach() for k, v in student.state_dict().items()}
+    t_logp = _teacher_logp(root, ids)
+    stages = {s["stage"]: s for s in report["stages"]}
+    off = dict(token_selection=False, forced_window=False, bridge=False)
+    for stage, window in (("cross KV sharing", False), ("sliding window", True)):
+        want = hysparse2_forward(sd, student.config.to_dict(), ids, sliding_window=window, **off)
+        assert stages[stage]["kl"] == pytest.approx(_kl(t_logp, want), rel=1e-3, abs=1e-12), stage
+    dense, shared, window = (stages[n]["layers"] for n in H2_STAGES[:3])
+    # Sharing changes nothing before the first cross sparse layer (4), and that layer.
+    assert all(shared[i]["cosine"] > 1 - 1e-6 for i in range(4))
+    assert shared[4]["cosine"] < 0.999 and stages["cross KV sharing"]["kl"] > 1e3 * stages["dense"]["kl"] + 1e-4
+    # The window changes the first sliding layer (0), which sharing left alone.
+    assert window[0]["cosine"] < 0.999 < dense[0]["cosine"]
+    assert stages["sliding window"]["kl"] != pytest.approx(stages["cross KV sharing"]["kl"], rel=1e-3)
+    jumps = {j["stage"]: j for j in report["jumps"]}
+    assert jumps["cross KV sharing"]["worst_layer"] in (4, 5)
+    assert jumps["sliding window"]["cosine_drop"] > 1e-3
+
+
+def test_hysparse2_early_exit_stage_changes_nothing(pair2):
+    _, report, _ = pair2
+    before, exit_ = report["stages"][-2:]
+    assert (before["stage"], exit_["stage"]) == ("bridge", "early exit")
+    for key in ("rows", "kl", "top1", "perplexity", "layers"):
+        assert exit_[key] == before[key], key
+    assert exit_["perplexity"] is not None and len(exit_["layers"]) == 6
+    jump = report["jumps"][-1]
+    assert jump["kl_change"] == 0 and jump["top1_change"] == 0 and jump["worst_layer"] is None
+    # The cross-decoder run on a few rows alone gives the previous stage's logits there.
+    check = exit_["early_exit_check"]
+    assert check["taken"] and check["rows"][0] == 0 and check["rows"][-1] == SEQ - 1 and len(check["rows"]) == 8
+    assert check["max_abs_logit_diff"] < 1e-4
+    assert "early_exit_check" not in before
+    md = validate.markdown_report(report)
+    assert "| early exit | +0 | +0.000 | – (none drops) | 0.0000 |" in md
+    assert "n/a" not in md
+
+
+def test_hysparse2_early_exit_check_sees_a_difference(pair2):
+    """The check compares real logits: against another stage's it reports a difference."""
+    root, report, _ = pair2
+    student = AutoModelForCausalLM.from_pretrained(root / "student", dtype=torch.float32).eval()
+    text = Path(sysconfig.get_paths()["stdlib"], "textwrap.py").read_text()
+    windows = validate.token_windows(validate.AutoTokenizer.from_pretrained(root / "student"), text, SEQ, 1)
+    teacher = AutoModelForCausalLM.from_pretrained(root / "teacher", dtype=torch.float32).eval()
+    with torch.no_grad():
+        runs = [(o.logits, o.hidden_states) for o in (teacher(w, output_hidden_states=True) for w in windows)]
+    all_off = dict(report["stages"][0]["switches"])
+    dense = validate.evaluate_stage(runs, student, windows, "dense", all_off,
+                                    validate.teacher_cross_kv(teacher, student))
+    assert dense.kl / dense.tokens == pytest.approx(report["stages"][0]["kl"], rel=1e-6, abs=1e-12)
+    on = {k: True for k in all_off}
+    last = validate.evaluate_stage(runs, student, windows, "early exit", on, previous=dense)
+    assert last.early_exit_check["max_abs_logit_diff"] > 1e-3
+    # The borrowed K/V are gone after the stage: with sharing off the student now refuses to run.
+    student.set_switches(cross_kv_sharing=False)
+    with pytest.raises(ValueError, match="no K/V projections"):
+        student(windows[0], use_cache=False)
+
+
+def test_hysparse2_teacher_without_the_layers_kv_is_refused(pair2, tmp_path, capsys):
+    root, _, _ = pair2
+    cfg = LlamaConfig(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "other")
+    text = Path(sysconfig.get_paths()["stdlib"], "textwrap.py")
+    assert validate.main(["--teacher", str(tmp_path / "other"), "--student", str(root / "student"), "--text",
+                          str(text), "--out", str(tmp_path / "r")]) == 2
+    assert "has no model.layers.4.self_attn.k_proj.weight" in capsys.readouterr().err

@@ -11,6 +11,15 @@ after that layer; for sparse layers the oracle coverage `M_l` (probability
 mass that the layer's own dense attention puts on the selected keys), its
 complement `ε_l`, and the recall of the used selection against the layer's own
 dense top-k. Final logits: KL(teacher ‖ student), top-1 agreement, perplexity.
+
+The first stage is the dense student: with every switch off a converted
+student computes what its teacher computes. For HySparse2 that needs K/V
+projections the student does not have: a HySparse2 checkpoint keeps none for
+cross sparse layers (SPEC §2.4; the converter drops them), so while
+`cross_kv_sharing` is off each cross sparse layer borrows the teacher's
+`k_proj` / `v_proj` (and `k_norm`) of the same layer index — the layer it was
+converted from. They are attached to the in-memory reference student for those
+stages only and removed afterwards; the student checkpoint is never changed.
 """
 
 import argparse
@@ -36,14 +45,22 @@ STAGES = {
         ("KV sharing", {"kv_sharing": True}),
         ("SWA branch", {"swa_branch": True}),
     ],
+    # Dense: every cross layer on its own K/V (cross sparse: the teacher's projections), sliding layers
+    # over the whole context. Then KV sharing and the window (SPEC §5's "KV sharing; SWA branch"), then
+    # the HySparse2 switches.
     "hysparse2": [
-        ("dense", {"token_selection": False, "forced_window": False, "bridge": False, "early_exit": False}),
+        ("dense", {"cross_kv_sharing": False, "sliding_window": False, "token_selection": False,
+                   "forced_window": False, "bridge": False, "early_exit": False}),
+        ("cross KV sharing", {"cross_kv_sharing": True}),
+        ("sliding window", {"sliding_window": True}),
         ("token selection", {"token_selection": True}),
         ("forced window", {"forced_window": True}),
         ("bridge", {"bridge": True}),
         ("early exit", {"early_exit": True}),
     ],
 }
+# Rows per window on which early exit runs the cross-decoder alone, to compare with the stage before.
+EXIT_ROWS = 8
 
 
 @dataclass
@@ -75,14 +92,19 @@ class StageResult:
     nll: float = 0.0
     nll_tokens: int = 0
     tokens: int = 0
+    # Per window, the logits `[1, R, vocab]` at `sample_rows`: what the next stage's early exit is checked against.
+    sample_logits: list = field(default_factory=list)
+    early_exit_check: dict | None = None
 
     def summary(self) -> dict:
         n = max(self.tokens, 1)
-        # Early exit yields only the last row's logits: no next token to score there.
         ppl = float(torch.exp(torch.tensor(self.nll / self.nll_tokens))) if self.nll_tokens else None
-        return {"stage": self.name, "switches": self.switches, "kl": self.kl / n, "top1": self.top1 / n,
-                "perplexity": ppl,
-                "layers": {i: s.row() for i, s in sorted(self.layers.items())}}
+        out = {"stage": self.name, "switches": self.switches, "rows": self.tokens, "kl": self.kl / n,
+               "top1": self.top1 / n, "perplexity": ppl,
+               "layers": {i: s.row() for i, s in sorted(self.layers.items())}}
+        if self.early_exit_check is not None:
+            out["early_exit_check"] = self.early_exit_check
+        return out
 
 
 def token_windows(tokenizer, text: str, seq_len: int, max_windows: int) -> list[torch.Tensor]:
@@ -134,7 +156,9 @@ def hysparse2_layer_probe(attn: CrossSparseAttention, args, stats: LayerStats) -
         return
     cfg = attn.config
     q = ctx.rope(attn.query(x), positions)
-    k, used = ctx.shared["k"], ctx.shared["token_ids"]
+    # The layer's own dense attention: over the keys it attends to (its own with cross KV sharing off).
+    k = ctx.shared["k"] if ctx.switches.cross_kv_sharing else attn.project_own_kv(x, positions, ctx)[0]
+    used = ctx.shared["token_ids"]
     own = ops.token_topk(q, k, attn.scale, cfg.sparse_topk_tokens, cfg.recent_window, cfg.score_head_reduce,
                          positions=positions)
     keys = ops.ids_to_mask(used, k.shape[1]).repeat_interleave(q.shape[2] // k.shape[2], dim=2).permute(0, 2, 1, 3)
@@ -156,36 +180,101 @@ def _install_probes(student, result: StageResult) -> list:
     return handles
 
 
+def teacher_cross_kv(teacher, student) -> dict[int, dict[str, torch.Tensor]]:
+    """The teacher's K/V tensors for every cross sparse layer of a HySparse2 student, by layer index.
+
+    Named as `CrossSparseAttention.set_own_kv` takes them. Layer `i` of a
+    converted student comes from layer `i` of its teacher; a teacher without
+    them (or, when attached, with other shapes) cannot be this student's.
+    """
+    cfg, sd = student.config, teacher.state_dict()
+    names = ["k_proj.weight", "v_proj.weight"]
+    names += ["k_proj.bias", "v_proj.bias"] if cfg.attention_bias else []
+    names += ["k_norm.weight"] if cfg.qk_norm else []
+    out = {}
+    for i, layer in enumerate(student.model.layers):
+        if isinstance(layer.self_attn, CrossSparseAttention):
+            prefix = f"model.layers.{i}.self_attn."
+            missing = [prefix + n for n in names if prefix + n not in sd]
+            if missing:
+                raise ValueError(f"--teacher has no {missing[0]}: the dense stage gives cross sparse layer {i} the "
+                                 "teacher's K/V projections of that layer (is the student converted from it?)")
+            out[i] = {n: sd[prefix + n] for n in names}
+    return out
+
+
+def _set_own_kv(student, tensors: dict[int, dict] | None) -> None:
+    """Attach (None: remove) the teacher's K/V to the student's cross sparse layers, in memory only."""
+    for i, layer in enumerate(student.model.layers):
+        if isinstance(layer.self_attn, CrossSparseAttention):
+            try:
+                layer.self_attn.set_own_kv(None if tensors is None else tensors[i])
+            except ValueError as e:
+                raise ValueError(f"--teacher's K/V for the dense stage: {e}") from None
+
+
+def sample_rows(seq_len: int) -> torch.Tensor:
+    """`EXIT_ROWS` rows spread over a window, first and last included."""
+    return torch.linspace(0, seq_len - 1, min(EXIT_ROWS, seq_len)).round().long().unique()
+
+
 @torch.no_grad()
-def evaluate_stage(teacher_runs, student, windows, name: str, switches: dict) -> StageResult:
-    """Student with `switches` against cached teacher outputs on every window."""
+def evaluate_stage(teacher_runs, student, windows, name: str, switches: dict, teacher_kv: dict | None = None,
+                   previous: StageResult | None = None) -> StageResult:
+    """Student with `switches` against cached teacher outputs on every window.
+
+    Every stage compares every row. `teacher_kv` (see `teacher_cross_kv`) is
+    attached to the student's cross sparse layers while this stage runs, when
+    it has `cross_kv_sharing` off. The stage that turns HySparse2 early exit on
+    also runs the cross-decoder on `sample_rows` alone and compares those
+    logits with `previous`'s (`early_exit_check`; SPEC §3.3 says they are equal).
+    """
     student.set_switches(**switches)
-    result = StageResult(name, dict(vars(student.switches)))
+    arch = student.config.model_type
+    # The switches of this architecture (the dense stage names them all).
+    names = STAGES[arch][0][1] if arch in STAGES else vars(student.switches)
+    result = StageResult(name, {k: v for k, v in vars(student.switches).items() if k in names})
+    # Without teacher_kv the student itself says that it has no K/V of its own.
+    own_kv = teacher_kv is not None and arch == "hysparse2" and not student.switches.cross_kv_sharing
+    rows, sw = sample_rows(windows[0].shape[1]), student.switches
     handles = _install_probes(student, result)
     try:
+        if own_kv:
+            _set_own_kv(student, teacher_kv)
         for ids, (t_logits, t_hidden) in zip(windows, teacher_runs):
-            # Early exit only changes which rows the cross-decoder runs on: ask for the last row then.
-            keep = 1 if student.switches.early_exit and student.config.model_type == "hysparse2" else 0
-            out = student(ids, use_cache=False, output_hidden_states=not keep, logits_to_keep=keep)
-            _accumulate(result, out, t_logits[:, -out.logits.shape[1]:], t_hidden, ids)
+            out = student(ids, use_cache=False, output_hidden_states=True)
+            _accumulate(result, out, t_logits, t_hidden, ids)
+            result.sample_logits.append(out.logits[:, rows])
+        for h in handles:
+            h.remove()
+        handles = []
+        if arch == "hysparse2" and sw.early_exit and previous is not None and not previous.switches["early_exit"]:
+            # Observed, not assumed: how many rows enter the first cross-decoder layer.
+            seen, cross = [], student.model.layers[student.config.num_self_decoder_layers]
+            handles.append(cross.register_forward_pre_hook(lambda m, a: seen.append(a[0].shape[1])))
+            diff = 0.0
+            for ids, ref in zip(windows, previous.sample_logits):
+                got = student(ids, use_cache=False, logits_to_keep=rows).logits
+                diff = max(diff, float((got - ref).abs().max()))
+            result.early_exit_check = {"rows": rows.tolist(), "taken": all(n == len(rows) for n in seen),
+                                       "max_abs_logit_diff": diff}
     finally:
         for h in handles:
             h.remove()
+        if own_kv:
+            _set_own_kv(student, None)
     return result
 
 
 def _accumulate(result: StageResult, out, t_logits, t_hidden, ids) -> None:
     s_logp = torch.log_softmax(out.logits.double(), -1)
     t_logp = torch.log_softmax(t_logits.double(), -1)
-    rows = out.logits.shape[1]
     result.kl += float((t_logp.exp() * (t_logp - s_logp)).sum(-1).sum())
     result.top1 += int((s_logp.argmax(-1) == t_logp.argmax(-1)).sum())
-    targets = ids[:, -rows:][:, 1:]
+    targets = ids[:, 1:]
     result.nll -= float(s_logp[:, :-1].gather(-1, targets.unsqueeze(-1)).sum())
     result.nll_tokens += targets.numel()
-    result.tokens += rows
-    if out.hidden_states is None:
-        return
+    result.tokens += ids.shape[1]
     for i, (s_h, t_h) in enumerate(zip(out.hidden_states[1:], t_hidden[1:])):
         stats = result.layers.setdefault(i, LayerStats())
         stats.cos += float(torch.nn.functional.cosine_similarity(s_h.double(), t_h.double(), dim=-1).sum())
@@ -194,14 +283,20 @@ def _accumulate(result: StageResult, out, t_logits, t_hidden, ids) -> None:
 
 
 def find_jumps(summaries: list[dict]) -> list[dict]:
-    """Per stage: the KL change from the previous stage and the layer whose cosine drops most."""
+    """Per stage: the KL and top-1 change from the previous stage and the layer whose cosine drops most.
+
+    `worst_layer` is None when no layer's cosine drops (a stage that changes nothing).
+    """
     jumps = []
     for prev, cur in zip(summaries, summaries[1:]):
         drops = {i: prev["layers"][i]["cosine"] - cur["layers"][i]["cosine"]
-                 for i in cur["layers"] if i in prev["layers"] and "cosine" in cur["layers"][i]}
+                 for i in cur["layers"] if "cosine" in prev["layers"].get(i, {}) and "cosine" in cur["layers"][i]}
         layer = max(drops, key=drops.get) if drops else None
-        jumps.append({"stage": cur["stage"], "kl_change": cur["kl"] - prev["kl"], "worst_layer": layer,
-                      "cosine_drop": drops.get(layer, 0.0) if layer is not None else 0.0})
+        if layer is not None and drops[layer] <= 0:
+            layer = None
+        jumps.append({"stage": cur["stage"], "kl_change": cur["kl"] - prev["kl"],
+                      "top1_change": cur["top1"] - prev["top1"], "worst_layer": layer,
+                      "cosine_drop": drops[layer] if layer is not None else 0.0})
     return jumps
 
 
@@ -228,10 +323,12 @@ def validate(teacher_dir: str, student_dir: str, text: str, seq_len: int = 256, 
     with torch.no_grad():
         teacher_runs = [(o.logits, o.hidden_states) for o in
                         (teacher(ids, output_hidden_states=True, use_cache=False) for ids in windows)]
-    summaries, switches = [], {}
+    teacher_kv = teacher_cross_kv(teacher, student) if arch == "hysparse2" else None
+    summaries, switches, previous = [], {}, None
     for name, change in tqdm(STAGES[arch], desc="switches", unit="stage"):
         switches.update(change)
-        summaries.append(evaluate_stage(teacher_runs, student, windows, name, dict(switches)).summary())
+        previous = evaluate_stage(teacher_runs, student, windows, name, dict(switches), teacher_kv, previous)
+        summaries.append(previous.summary())
     teacher_ppl = _teacher_perplexity(teacher_runs, windows)
     return {"arch": arch, "teacher": str(teacher_dir), "student": str(student_dir), "seq_len": seq_len,
             "windows": len(windows), "teacher_perplexity": teacher_ppl, "stages": summaries,
@@ -248,21 +345,41 @@ def _teacher_perplexity(teacher_runs, windows) -> float:
     return float(torch.exp(torch.tensor(nll / n)))
 
 
+DENSE_STAGE = {
+    "hysparse": "every layer's global branch sees every causal key over its own K/V, without the SWA branch",
+    "hysparse2": ("sliding layers see the whole causal context, every cross-decoder layer attends over its own "
+                  "K/V and every causal key; cross sparse layers have no K/V projections, so they use the "
+                  "teacher's of the same layer while `cross_kv_sharing` is off"),
+}
+
+
 def markdown_report(report: dict) -> str:
     lines = [f"# Validation: {report['student']} vs teacher {report['teacher']}", "",
              f"{report['arch']}, {report['windows']} windows of {report['seq_len']} tokens; teacher perplexity "
-             f"{report['teacher_perplexity']:.2f}. Switches are enabled one at a time (SPEC §5).", "",
+             f"{report['teacher_perplexity']:.2f}. Switches are enabled one at a time (SPEC §5), every stage on "
+             f"every row. Stage 'dense' has them all off: {DENSE_STAGE[report['arch']]}.", "",
              "| stage | KL(teacher‖student) | top-1 agreement | perplexity | worst layer cosine |",
              "| --- | ---: | ---: | ---: | ---: |"]
     for s in report["stages"]:
         cos = [row["cosine"] for row in s["layers"].values() if "cosine" in row]
-        worst = f"{min(cos):.4f}" if cos else "n/a (logits rows only)"
+        worst = f"{min(cos):.4f}" if cos else "n/a"
         ppl = "n/a" if s["perplexity"] is None else f"{s['perplexity']:.2f}"
-        lines.append(f"| {s['stage']} | {s['kl']:.4f} | {s['top1']:.3f} | {ppl} | {worst} |")
-    lines += ["", "## Where the error jumps", "", "| stage | KL change | layer with the largest cosine drop | drop |",
-              "| --- | ---: | ---: | ---: |"]
+        lines.append(f"| {s['stage']} | {s['kl']:.4g} | {s['top1']:.3f} | {ppl} | {worst} |")
+    for s in report["stages"]:
+        check = s.get("early_exit_check")
+        if check:
+            rows = ", ".join(map(str, check["rows"]))
+            how = (f"the cross-decoder run on rows {rows} of each window alone" if check["taken"] else
+                   f"asked for rows {rows} only, the cross-decoder still ran on every row (early exit not taken); it")
+            lines += ["", f"Stage '{s['stage']}': {how} gives logits within {check['max_abs_logit_diff']:.3g} "
+                      "(max abs) of the stage before (SPEC §3.3: exact)."]
+    lines += ["", "## Where the error jumps", "",
+              "| stage | KL change | top-1 change | layer with the largest cosine drop | drop |",
+              "| --- | ---: | ---: | ---: | ---: |"]
     for j in report["jumps"]:
-        lines.append(f"| {j['stage']} | {j['kl_change']:+.4f} | {j['worst_layer']} | {j['cosine_drop']:.4f} |")
+        layer = "– (none drops)" if j["worst_layer"] is None else j["worst_layer"]
+        lines.append(f"| {j['stage']} | {j['kl_change']:+.4g} | {j['top1_change']:+.3f} | {layer} "
+                     f"| {j['cosine_drop']:.4f} |")
     last_with_layers = next(s for s in reversed(report["stages"]) if any("cosine" in r for r in s["layers"].values()))
     lines += ["", f"## Per layer at stage '{last_with_layers['stage']}'", "",
               "| layer | cosine | max abs err | coverage M | ε | recall |", "| ---: | ---: | ---: | ---: | ---: | ---: |"]

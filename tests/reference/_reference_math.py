@@ -249,8 +249,14 @@ def hysparse_forward(sd, c, ids, sparse_selection=True, kv_sharing=True, swa_bra
     return lm_logits(sd, c, h)
 
 
-def hysparse2_forward(sd, c, ids, token_selection=True, forced_window=True, bridge=True):
-    """Logits of SPEC §3.3 HySparse2 (every layer on every token) by loops."""
+def hysparse2_forward(sd, c, ids, token_selection=True, forced_window=True, bridge=True, sliding_window=True,
+                      cross_kv_sharing=True):
+    """Logits of SPEC §3.3 HySparse2 (every layer on every token) by loops.
+
+    `sliding_window=False`: sliding layers see every causal key. `cross_kv_sharing=False`:
+    cross sparse layers project K/V from their own input with `sd`'s `k_proj` / `v_proj`
+    (/ `k_norm`) of that layer, which the caller adds (a checkpoint has none).
+    """
     nh, ng, d = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
     eps, scale, qkn = c["rms_norm_eps"], d**-0.5, c.get("qk_norm", False)
     n_self, types = c["num_self_decoder_layers"], c["layer_types"]
@@ -276,9 +282,9 @@ def hysparse2_forward(sd, c, ids, token_selection=True, forced_window=True, brid
         q = heads(lin(sd, a + "q_proj", x), d)
         if qkn:
             q = rms(q, sd[a + "q_norm.weight"], eps)
-        if kind in ("full_attention", "sliding_attention"):
+        if kind in ("full_attention", "sliding_attention") or not cross_kv_sharing:
             src = x
-            if i >= n_self:  # cross full layer
+            if i >= n_self and kind == "full_attention":  # cross full layer
                 if bridge:
                     s = c["bridge_sources"][n_cross_full]
                     src = rms(sources[s], sd[a + "bridge_norm.weight"], eps)
@@ -289,7 +295,8 @@ def hysparse2_forward(sd, c, ids, token_selection=True, forced_window=True, brid
         if kind == "sliding_attention":
             rd, th, win = c["swa_rotary_dim"], c["swa_rope_theta"], c["swa_window"]
             q, k = rope(q, pos, th, rd), rope(k, pos, th, rd)
-            o = brute_attention(q, k, v, scale, lambda b, t, hh: range(max(0, t - win + 1), t + 1), sd.get(a + "sinks"))
+            lo = (lambda t: max(0, t - win + 1)) if sliding_window else (lambda t: 0)
+            o = brute_attention(q, k, v, scale, lambda b, t, hh: range(lo(t), t + 1), sd.get(a + "sinks"))
             o = gated(a, x, o)
         elif kind == "full_attention":
             q, k = frope(q), frope(k)
@@ -302,7 +309,10 @@ def hysparse2_forward(sd, c, ids, token_selection=True, forced_window=True, brid
                 shared = (k, v, sel)
         else:  # cross sparse
             q = frope(q)
-            k, v, sel = shared
+            if cross_kv_sharing:
+                k, v, sel = shared
+            else:  # own K/V, the cross full layer's token selection
+                k, v, sel = frope(k), v, shared[2]
             def keys(b, t, hh, sel=sel):
                 if sel is None:
                     return range(t + 1)

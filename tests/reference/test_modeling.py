@@ -132,7 +132,7 @@ H2_VARIANTS = {
 
 
 @pytest.mark.parametrize("variant", list(H2_VARIANTS))
-@pytest.mark.parametrize("switch", [None, "token_selection", "forced_window", "bridge", "early_exit"])
+@pytest.mark.parametrize("switch", [None, "sliding_window", "token_selection", "forced_window", "bridge", "early_exit"])
 def test_hysparse2_matches_loop_oracle(variant, switch):
     model = make_h2(seed=21, **H2_VARIANTS[variant])
     ids = tokens(22, 2, 13)  # k_g + w = 8 < 13: selection drops keys
@@ -147,6 +147,67 @@ def test_hysparse2_matches_loop_oracle(variant, switch):
         close(got, on, atol=1e-5)
     elif switch is not None:
         assert differs(got, on), f"switch {switch} has no effect"
+
+
+def own_kv_tensors(model, seed: int) -> dict[int, dict[str, torch.Tensor]]:
+    """Random dense-layer K/V tensors (named as in `self_attn`) for every cross sparse layer."""
+    cfg, g = model.config, gen(seed)
+    width = cfg.num_key_value_heads * cfg.head_dim
+    out = {}
+    for i, kind in enumerate(cfg.layer_types):
+        if kind != SPARSE:
+            continue
+        t = {f"{n}_proj.weight": randn(g, width, cfg.hidden_size, std=cfg.hidden_size**-0.5) for n in "kv"}
+        if cfg.attention_bias:
+            t.update({f"{n}_proj.bias": 0.2 * randn(g, width) for n in "kv"})
+        if cfg.qk_norm:
+            t["k_norm.weight"] = 1.0 + 0.3 * randn(g, cfg.head_dim)
+        out[i] = t
+    return out
+
+
+@pytest.mark.parametrize("variant", list(H2_VARIANTS))
+@pytest.mark.parametrize("token_selection", [True, False])
+def test_hysparse2_own_cross_kv_matches_loop_oracle(variant, token_selection):
+    """cross_kv_sharing=False: cross sparse layers attend over K/V from their own input and given projections."""
+    model = make_h2(seed=23, **H2_VARIANTS[variant])
+    ids = tokens(24, 2, 13)
+    model.set_switches(token_selection=token_selection)
+    shared = logits(model, ids)
+    own = own_kv_tensors(model, seed=25)
+    model.set_switches(cross_kv_sharing=False)
+    with pytest.raises(ValueError, match="set_own_kv"):
+        logits(model, ids)
+    for i, t in own.items():
+        model.model.layers[i].self_attn.set_own_kv(t)
+    got = logits(model, ids)
+    # The borrowed tensors stay outside the checkpoint.
+    assert state(model).keys() == state(make_h2(seed=23, **H2_VARIANTS[variant])).keys()
+    sd = {**state(model), **{f"model.layers.{i}.self_attn.{n}": w for i, t in own.items() for n, w in t.items()}}
+    want = hysparse2_forward(sd, model.config.to_dict(), ids, token_selection=token_selection,
+                             cross_kv_sharing=False)
+    close(got, want)
+    assert differs(got, shared), "switch cross_kv_sharing has no effect"
+    # Cross-decoder K/V now depend on cross-decoder states: early exit must not be taken.
+    close(logits(model, ids, logits_to_keep=1), got[:, -1:], atol=1e-5)
+    # Own K/V go through the cache like any layer's.
+    close(torch.cat(run_incrementally(model, ids, [6, 1, 1, 5]), dim=1), got)
+    for layer in model.model.layers:
+        if hasattr(layer.self_attn, "set_own_kv"):
+            layer.self_attn.set_own_kv(None)
+    model.set_switches(cross_kv_sharing=True)
+    close(logits(model, ids), shared, atol=0)
+
+
+def test_own_cross_kv_of_the_wrong_shape_is_refused():
+    model = make_h2(seed=26)
+    bad = own_kv_tensors(model, seed=27)[4]
+    bad["v_proj.weight"] = bad["v_proj.weight"][:, :-1]
+    with pytest.raises(ValueError, match="layer 4: own K/V tensors do not fit.*v_proj.weight"):
+        model.model.layers[4].self_attn.set_own_kv(bad)
+    with pytest.raises(ValueError, match="layer 4: own K/V tensors do not fit.*k_norm"):
+        model.model.layers[4].self_attn.set_own_kv({**own_kv_tensors(model, seed=27)[4],
+                                                     "k_norm.weight": torch.ones(8)})
 
 
 def test_set_switches_rejects_unknown():

@@ -114,17 +114,28 @@ class ReferenceSwitches:
     key), `kv_sharing` (False: the sparse layer's global branch uses its own
     `swa_k_proj`/`swa_v_proj` KV and an oracle computed from it), `swa_branch`
     (False: the SWA branch is dropped and its gate weights the global branch).
-    HySparse2: `token_selection` (False: cross sparse layers see every causal
-    key), `forced_window` (False: the recent window is not forced; the top
-    `k_g + w` tokens by score are taken), `bridge` (False: a cross full layer
-    projects K/V from its own normalised input instead of the bridge source),
-    `early_exit` (False: the cross-decoder runs on every position even when
-    fewer logits are asked for).
+    HySparse2: `cross_kv_sharing` (False: a cross sparse layer attends over
+    K/V projected from its own normalised input instead of the cross full
+    layer's cache; a HySparse2 checkpoint has no such projections, so they
+    must be given with `CrossSparseAttention.set_own_kv` — the validator
+    borrows the dense teacher's), `sliding_window` (False: sliding layers
+    attend over the whole causal context; their RoPE, sink and gate are kept,
+    so a converted layer at its neutral init, gate 0.5 behind `o_proj` x2 and
+    sink -30, is its dense layer again), `token_selection` (False: cross
+    sparse layers see every causal key), `forced_window` (False: the recent
+    window is not forced; the top `k_g + w` tokens by score are taken),
+    `bridge` (False: a cross full layer projects K/V from its own normalised
+    input instead of the bridge source), `early_exit` (False: the
+    cross-decoder runs on every position even when fewer logits are asked
+    for; it is only exact, and only taken, with `bridge` and
+    `cross_kv_sharing` on).
     """
 
     sparse_selection: bool = True
     kv_sharing: bool = True
     swa_branch: bool = True
+    cross_kv_sharing: bool = True
+    sliding_window: bool = True
     token_selection: bool = True
     forced_window: bool = True
     bridge: bool = True

@@ -9,6 +9,7 @@ before them. Because no cross-decoder KV depends on cross-decoder states, the
 cross-decoder can run on the logits rows only (prefill early exit).
 """
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -99,7 +100,9 @@ class SlidingAttention(_Attention):
         k, v = self.project_kv(x)
         q, k = ctx.swa_rope(self.query(x), positions), ctx.swa_rope(k, positions)
         k, v = kv_from_cache(ctx.cache, self.layer_idx, k, v)
-        o = ops.dense_attention(q, k, v, self.scale, self.sinks, window=self.config.swa_window, positions=positions)
+        # Switch off: the whole causal context; RoPE, sink and gate stay as they are.
+        window = self.config.swa_window if ctx.switches.sliding_window else None
+        o = ops.dense_attention(q, k, v, self.scale, self.sinks, window=window, positions=positions)
         gate = torch.sigmoid(gate_logits(self.gate_proj, x, self.config.num_attention_heads).float())
         return self.o_proj((gate * o.float()).to(x.dtype).flatten(2))
 
@@ -141,6 +144,19 @@ class CrossFullAttention(_Attention):
             forced_window=switches.forced_window, positions=positions)
 
 
+@dataclass
+class OwnKV:
+    """K/V projections of a cross sparse layer that has none: validation only.
+
+    Held in a plain dataclass, outside the module tree, so they are never
+    saved, loaded, moved or trained with the model.
+    """
+
+    k_proj: nn.Linear
+    v_proj: nn.Linear
+    k_norm: RMSNorm | None
+
+
 class CrossSparseAttention(_Attention):
     """One sink softmax over the recent window and selected tokens of the cross full layer's cache."""
 
@@ -148,11 +164,56 @@ class CrossSparseAttention(_Attention):
         super().__init__(config, layer_idx, with_kv=False)
         self.gate_proj = gate_proj(config, config.hidden_size)
         self.sinks = sinks(config)
+        self.own_kv: OwnKV | None = None
+
+    def set_own_kv(self, tensors: Mapping[str, torch.Tensor] | None) -> None:
+        """Give this layer K/V projections of its own, for the switch `cross_kv_sharing=False`; None removes them.
+
+        A HySparse2 checkpoint has none (SPEC §2.4). `tensors` are named as in a
+        dense layer's `self_attn`: `k_proj.weight`, `v_proj.weight`, with
+        `attention_bias` `k_proj.bias` and `v_proj.bias`, with `qk_norm`
+        `k_norm.weight` — the validator passes the dense teacher's layer of the
+        same index, the one this layer was converted from.
+        """
+        if tensors is None:
+            self.own_kv = None
+            return
+        cfg, width = self.config, self.config.num_key_value_heads * self.config.head_dim
+        holder = nn.Module()
+        holder.k_proj = nn.Linear(cfg.hidden_size, width, bias=cfg.attention_bias)
+        holder.v_proj = nn.Linear(cfg.hidden_size, width, bias=cfg.attention_bias)
+        if cfg.qk_norm:
+            holder.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        try:
+            holder.load_state_dict(dict(tensors), strict=True)
+        except RuntimeError as e:
+            reason = " ".join(line.strip() for line in str(e).splitlines()[1:])
+            raise ValueError(f"layer {self.layer_idx}: own K/V tensors do not fit: {reason}") from None
+        holder.to(self.q_proj.weight)
+        self.own_kv = OwnKV(holder.k_proj, holder.v_proj, getattr(holder, "k_norm", None))
+
+    def project_own_kv(self, x, positions, ctx: StepContext):
+        """K (rotated like the cross full layer's) and V `[B, T, G, D]` from this layer's own input `x`."""
+        if self.own_kv is None:
+            raise ValueError(f"cross_kv_sharing=False: cross sparse layer {self.layer_idx} has no K/V projections "
+                             "of its own; give them with set_own_kv (the validator takes the teacher's)")
+        d, kv = self.config.head_dim, self.own_kv
+        k, v = split_heads(kv.k_proj(x), d), split_heads(kv.v_proj(x), d)
+        if kv.k_norm is not None:
+            k = kv.k_norm(k)
+        return ctx.rope(k, positions), v
+
+    def keys_values(self, x, positions, ctx: StepContext):
+        """The K/V `[B, Tk, G, D]` this layer attends over: the cross full layer's cache, or its own."""
+        if ctx.switches.cross_kv_sharing:
+            return ctx.shared["k"], ctx.shared["v"]
+        return kv_from_cache(ctx.cache, self.layer_idx, *self.project_own_kv(x, positions, ctx))
 
     def forward(self, x, positions, ctx: StepContext):
         q = ctx.rope(self.query(x), positions)
-        s = ctx.shared
-        o = ops.token_sparse_attention(q, s["k"], s["v"], s["token_ids"], self.scale, self.sinks, positions)
+        k, v = self.keys_values(x, positions, ctx)
+        # The token ids are positions, so the cross full layer's selection applies to own K/V too.
+        o = ops.token_sparse_attention(q, k, v, ctx.shared["token_ids"], self.scale, self.sinks, positions)
         gate = torch.sigmoid(gate_logits(self.gate_proj, x, self.config.num_attention_heads).float())
         return self.o_proj((gate * o.float()).to(x.dtype).flatten(2))
 
@@ -194,7 +255,9 @@ class HySparse2Model(nn.Module):
         """h `[B, T, hidden]` -> (final normed hidden `[B, R, hidden]` at `rows`, per-layer hiddens).
 
         With early exit the cross-decoder runs on `rows` only; the result is
-        identical to running it on every row (SPEC §3.3).
+        identical to running it on every row (SPEC §3.3). It needs every
+        cross-decoder K/V to come from the self-decoder: without `bridge` or
+        `cross_kv_sharing` every row runs.
         """
         cfg = self.config
         ctx = StepContext(cache, switches, self.rotary_emb, self.swa_rotary_emb)
@@ -210,7 +273,7 @@ class HySparse2Model(nn.Module):
             for c, src in cfg.bridge_source.items():
                 k, v = self.layers[c].self_attn.bridge_kv(sources[src], positions, ctx)
                 ctx.bridged[c] = kv_from_cache(cache, c, k, v)
-        if switches.bridge and switches.early_exit:
+        if switches.bridge and switches.cross_kv_sharing and switches.early_exit:
             h, positions, rows = h[:, rows], positions[rows], torch.arange(len(rows), device=h.device)
         for layer in self.layers[cfg.num_self_decoder_layers:]:
             h = layer(h, positions, ctx)
