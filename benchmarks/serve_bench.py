@@ -52,17 +52,17 @@ SERVERS = {
                          "label": "HySparse2 exit off"},
 }
 VLLM = Path(sys.executable).parent / "vllm"
-NOTE_IMPL = ("CPU timings compare implementations, not architectures: HySparse and HySparse2 attention "
-             "(HySparse full and sparse layers, HySparse2 cross-decoder) runs as a PyTorch path (no C++ kernel; "
-             "masked dense attention in 256-row query chunks, scores computed a second time for the oracle / "
-             "token selection) while dense Llama, HySparse's SWA branch and HySparse2's self-decoder use "
-             "vLLM's C++ CPU attention.")
+NOTE_IMPL = ("CPU timings compare implementations as well as architectures: HySparse and HySparse2 attention "
+             "runs the batched PyTorch path (sparse layers read only their selected keys; the oracles' decode rows "
+             "run a C++ kernel over the pages) while dense Llama, HySparse's SWA branch and HySparse2's "
+             "self-decoder use vLLM's C++ CPU attention.")
 NOTE_VLLM_KV = ("vLLM's 'KV cache size' counts every cache group of a hybrid model as full-length, so for "
                 "HySparse / HySparse2 it understates the tokens that fit; 'ours' is our log line (full-length "
                 "caches only; window caches are bounded per sequence). vLLM's count also grows with --max-model-len "
                 "(the window groups' share shrinks), so compare runs at the same --max-model-len.")
-NOTE_PREFIX = ("Every server runs with `--no-enable-prefix-caching` (runs before this change used vLLM's default, "
-               "prefix caching on), so each TTFT is a full prefill.")
+NOTE_PREFIX = ("Prefix caching is off (`--no-enable-prefix-caching`, every TTFT is a full prefill) unless a "
+               "model's settings say `prefix_caching: true`; `prefix_fraction` is the share of each prompt that "
+               "all prompts of a run have in common.")
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -237,9 +237,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_command(ckpt: Path, port: int, max_model_len: int) -> list[str]:
-    return [str(VLLM), "serve", str(ckpt), "--dtype", "float32", "--port", str(port),
-            "--max-model-len", str(max_model_len), "--no-enable-prefix-caching"]
+def serve_command(ckpt: Path, port: int, max_model_len: int, prefix_caching: bool = False) -> list[str]:
+    cmd = [str(VLLM), "serve", str(ckpt), "--dtype", "float32", "--port", str(port),
+           "--max-model-len", str(max_model_len)]
+    return cmd + ([] if prefix_caching else ["--no-enable-prefix-caching"])
 
 
 def server_env_settings(kv_space_gib: int, extra: dict[str, str | None] | None = None) -> dict[str, str | None]:
@@ -258,9 +259,13 @@ def serve_env(kv_space_gib: int, extra: dict[str, str | None] | None = None) -> 
 
 
 def bench_command(ckpt: Path, root_url: str, input_len: int, output_len: int, num_prompts: int,
-                  concurrency: int, result_dir: Path, result_filename: str, seed: int) -> list[str]:
-    return [str(VLLM), "bench", "serve", "--backend", "vllm", "--model", str(ckpt), "--base-url", root_url,
-            "--dataset-name", "random", "--random-input-len", str(input_len), "--random-output-len",
+                  concurrency: int, result_dir: Path, result_filename: str, seed: int,
+                  prefix_len: int = 0) -> list[str]:
+    """`vllm bench serve` on random prompts; `prefix_len` > 0: every prompt starts with one shared prefix
+    of that many tokens followed by `input_len - prefix_len` of its own."""
+    prefix = ["--random-prefix-len", str(prefix_len)] if prefix_len else []
+    return [str(VLLM), "bench", "serve", *prefix, "--backend", "vllm", "--model", str(ckpt), "--base-url", root_url,
+            "--dataset-name", "random", "--random-input-len", str(input_len - prefix_len), "--random-output-len",
             str(output_len), "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
             "--ignore-eos", "--temperature", "0", "--seed", str(seed), "--disable-tqdm",
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
@@ -349,7 +354,8 @@ def error_excerpt(path: Path, max_lines: int = 40) -> str:
 def bench_settings(args) -> dict:
     """The load one model's runs were measured under (kept per model: a reused record may differ)."""
     return {"num_prompts": args.num_prompts, "output_len": args.output_len, "concurrency": args.concurrency,
-            "kv_space_gib": args.kv_space_gib, "prefix_caching": False,
+            "kv_space_gib": args.kv_space_gib, "prefix_caching": args.prefix_caching,
+            "prefix_fraction": args.prefix_fraction,
             "max_model_len": max_model_len_for(args.prompt_lens, args.output_len)}
 
 
@@ -359,7 +365,7 @@ _EARLY_EXIT_LOG = "HySparse2: prefill early exit on"
 def bench_model(name: str, ckpt: Path, args, work: Path) -> dict:
     """Serve `ckpt`, run every prompt length, collect timings, pages per query and KV lines."""
     max_len = max_model_len_for(args.prompt_lens, args.output_len)
-    cmd = serve_command(ckpt, free_port(), max_len)
+    cmd = serve_command(ckpt, free_port(), max_len, args.prefix_caching)
     log_path = work / f"serve_{name}.log"
     extra_env = SERVERS[name]["env"]
     record = {"checkpoint": str(ckpt), "params": param_count(ckpt), "serve_command": shlex.join(cmd),
@@ -379,7 +385,7 @@ def bench_model(name: str, ckpt: Path, args, work: Path) -> dict:
                 before = parse_metrics(http_get(f"{root}/metrics"))
                 fname = f"bench_{name}_{n}.json"
                 bcmd = bench_command(ckpt, root, n, args.output_len, args.num_prompts, args.concurrency, work,
-                                     fname, args.seed)
+                                     fname, args.seed, prefix_len=int(n * args.prefix_fraction))
                 run["bench_command"] = shlex.join(bcmd)
                 print(f"[{name}] prompt {n}: {args.num_prompts} prompts x {args.output_len} tokens, "
                       f"concurrency {args.concurrency}", flush=True)
@@ -800,6 +806,11 @@ def parse_args(argv):
     parser.add_argument("--num-prompts", type=int, default=3)
     parser.add_argument("--concurrency", type=int, default=1)
     parser.add_argument("--kv-space-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE for every server")
+    parser.add_argument("--prefix-caching", action="store_true",
+                        help="serve with vLLM's prefix caching on (default off: every TTFT is a full prefill)")
+    parser.add_argument("--prefix-fraction", type=float, default=0.0,
+                        help="share this fraction of each prompt as one common prefix (decode-heavy workload: "
+                             "--prefix-caching --prefix-fraction 0.95 --concurrency 8 --output-len 128)")
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS),
                         help="server configurations to run, in this order (default: all)")
     parser.add_argument("--reuse", type=Path, metavar="JSON",
