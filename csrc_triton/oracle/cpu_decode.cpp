@@ -16,6 +16,83 @@
 
 namespace {
 
+struct Problem {
+  const float* q;       // [N, H, D]
+  const float* kv;      // pages of [G, page, 2D] at the given strides
+  const int32_t* bt;    // [R, max_pages]
+  const int64_t* reqs;  // [N]
+  const int64_t* lens;  // [N]
+  float* out;           // [N, H, D]
+  float* logits;        // [N, H, max_len]
+  float* lse;           // [N, H]
+  int64_t n, heads, groups, page, max_len, s_page, s_group, s_tok, s_bt;
+  float scale;
+};
+
+// Rows x groups [begin, end) of `pb`; DIM > 0 fixes the head dim at compile time (unrolled dot
+// products), DIM = 0 reads it from `dim`.
+template <int DIM>
+void decode_tasks(const Problem& pb, int64_t dim_rt, int64_t begin, int64_t end) {
+  const int64_t dim = DIM > 0 ? DIM : dim_rt;
+  const int64_t per_group = pb.heads / pb.groups, max_len = pb.max_len, page = pb.page;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  std::vector<float> m(per_group), l(per_group), acc(per_group * dim), w(page);
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t row = task / pb.groups, g = task % pb.groups;
+    const int64_t len = std::min(pb.lens[row], max_len);
+    const int32_t* pages = pb.bt + pb.reqs[row] * pb.s_bt;
+    const float* qg = pb.q + (row * pb.heads + g * per_group) * dim;
+    float* zg = pb.logits + (row * pb.heads + g * per_group) * max_len;
+    std::fill(m.begin(), m.end(), neg_inf);
+    std::fill(l.begin(), l.end(), 0.f);
+    std::fill(acc.begin(), acc.end(), 0.f);
+    // one page at a time, keys then values while the page is in cache (online softmax)
+    for (int64_t first = 0; first < len; first += page) {
+      const int64_t count = std::min(page, len - first);
+      const float* slab = pb.kv + pages[first / page] * pb.s_page + g * pb.s_group;
+      for (int64_t p = 0; p < per_group; ++p) {
+        const float* qh = qg + p * dim;
+        float* z = zg + p * max_len + first;
+        float mx = m[p];
+        for (int64_t t = 0; t < count; ++t) {
+          const float* k = slab + t * pb.s_tok;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < dim; ++d) dot += qh[d] * k[d];
+          z[t] = dot * pb.scale;
+          mx = std::max(mx, z[t]);
+        }
+        const float rescale = std::exp(m[p] - mx);  // 0 on the first page (m = -inf)
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < count; ++t) {
+          w[t] = std::exp(z[t] - mx);
+          sum += w[t];
+        }
+        l[p] = l[p] * rescale + sum;
+        m[p] = mx;
+        float* a = acc.data() + p * dim;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) a[d] *= rescale;
+        for (int64_t t = 0; t < count; ++t) {
+          const float* v = slab + t * pb.s_tok + dim;
+          const float wt = w[t];
+#pragma omp simd
+          for (int64_t d = 0; d < dim; ++d) a[d] += wt * v[d];
+        }
+      }
+    }
+    for (int64_t p = 0; p < per_group; ++p) {
+      const int64_t h = g * per_group + p;
+      float* o = pb.out + (row * pb.heads + h) * dim;
+      const float inv = len > 0 ? 1.f / l[p] : 0.f;
+      for (int64_t d = 0; d < dim; ++d) o[d] = acc[p * dim + d] * inv;
+      pb.lse[row * pb.heads + h] = len > 0 ? m[p] + std::log(l[p]) : neg_inf;
+      std::fill(zg + p * max_len + len, zg + (p + 1) * max_len, neg_inf);
+    }
+  }
+}
+
 // q [N, H, D], kv [pages, G, page, 2D] (K then V in the last dim), float32.
 // Returns out [N, H, D], logits [N, H, max_len] (-inf past each row's length) and lse [N, H].
 std::vector<torch::Tensor> paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor block_table,
@@ -30,81 +107,22 @@ std::vector<torch::Tensor> paged_decode(torch::Tensor q, torch::Tensor kv, torch
   reqs = reqs.contiguous();
   lens = lens.contiguous();
   const int64_t n = q.size(0), heads = q.size(1), dim = q.size(2);
-  const int64_t groups = kv.size(1), page = kv.size(2);
+  const int64_t groups = kv.size(1);
   TORCH_CHECK(kv.size(3) == 2 * dim, "kv: last dim must be 2 * head dim");
   TORCH_CHECK(heads % groups == 0, "query heads must be a multiple of KV groups");
-  const int64_t per_group = heads / groups;
   auto out = torch::empty({n, heads, dim}, q.options());
   auto logits = torch::empty({n, heads, max_len}, q.options());
   auto lse = torch::empty({n, heads}, q.options());
-  const float* qp = q.data_ptr<float>();
-  const float* kvp = kv.data_ptr<float>();
-  const int32_t* bt = block_table.data_ptr<int32_t>();
-  const int64_t* rp = reqs.data_ptr<int64_t>();
-  const int64_t* lp = lens.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
-  float* zp = logits.data_ptr<float>();
-  float* sp = lse.data_ptr<float>();
-  const int64_t s_page = kv.stride(0), s_group = kv.stride(1), s_tok = kv.stride(2);
-  const int64_t s_bt = block_table.stride(0);
-  const float fscale = static_cast<float>(scale);
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-
+  const Problem pb{q.data_ptr<float>(), kv.data_ptr<float>(), block_table.data_ptr<int32_t>(),
+                   reqs.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(),
+                   logits.data_ptr<float>(), lse.data_ptr<float>(), n, heads, groups, kv.size(2), max_len,
+                   kv.stride(0), kv.stride(1), kv.stride(2), block_table.stride(0), static_cast<float>(scale)};
   at::parallel_for(0, n * groups, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> m(per_group), l(per_group), acc(per_group * dim), w(page);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t row = task / groups, g = task % groups;
-      const int64_t len = std::min(lp[row], max_len);
-      const int32_t* pages = bt + rp[row] * s_bt;
-      const float* qg = qp + (row * heads + g * per_group) * dim;
-      float* zg = zp + (row * heads + g * per_group) * max_len;
-      std::fill(m.begin(), m.end(), neg_inf);
-      std::fill(l.begin(), l.end(), 0.f);
-      std::fill(acc.begin(), acc.end(), 0.f);
-      // one page at a time, keys then values while the page is in cache (online softmax)
-      for (int64_t first = 0; first < len; first += page) {
-        const int64_t count = std::min(page, len - first);
-        const float* slab = kvp + pages[first / page] * s_page + g * s_group;
-        for (int64_t p = 0; p < per_group; ++p) {
-          const float* qh = qg + p * dim;
-          float* z = zg + p * max_len + first;
-          float mx = m[p];
-          for (int64_t t = 0; t < count; ++t) {
-            const float* k = slab + t * s_tok;
-            float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < dim; ++d) dot += qh[d] * k[d];
-            z[t] = dot * fscale;
-            mx = std::max(mx, z[t]);
-          }
-          const float rescale = std::exp(m[p] - mx);  // 0 on the first page (m = -inf)
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t t = 0; t < count; ++t) {
-            w[t] = std::exp(z[t] - mx);
-            sum += w[t];
-          }
-          l[p] = l[p] * rescale + sum;
-          m[p] = mx;
-          float* a = acc.data() + p * dim;
-#pragma omp simd
-          for (int64_t d = 0; d < dim; ++d) a[d] *= rescale;
-          for (int64_t t = 0; t < count; ++t) {
-            const float* v = slab + t * s_tok + dim;
-            const float wt = w[t];
-#pragma omp simd
-            for (int64_t d = 0; d < dim; ++d) a[d] += wt * v[d];
-          }
-        }
-      }
-      for (int64_t p = 0; p < per_group; ++p) {
-        const int64_t h = g * per_group + p;
-        float* o = op + (row * heads + h) * dim;
-        const float inv = len > 0 ? 1.f / l[p] : 0.f;
-        for (int64_t d = 0; d < dim; ++d) o[d] = acc[p * dim + d] * inv;
-        sp[row * heads + h] = len > 0 ? m[p] + std::log(l[p]) : neg_inf;
-        std::fill(zg + p * max_len + len, zg + (p + 1) * max_len, neg_inf);
-      }
+    switch (dim) {
+      case 64: decode_tasks<64>(pb, dim, begin, end); break;
+      case 128: decode_tasks<128>(pb, dim, begin, end); break;
+      case 256: decode_tasks<256>(pb, dim, begin, end); break;
+      default: decode_tasks<0>(pb, dim, begin, end);
     }
   });
   return {out, logits, lse};
