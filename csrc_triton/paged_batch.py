@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from csrc_triton import cpu_ext
+from csrc_triton.paged_args import check_paged_batch
 
 # Floats one gathered or scored tensor may hold; bounds the rows handled at once.
 ELEMENT_BUDGET = 1 << 24
@@ -162,33 +163,28 @@ def interleaved(k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor | 
     return torch.as_strided(k_cache, (*k_cache.shape[:3], 2 * d), k_cache.stride())
 
 
-def _split(kv: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return kv[..., :d], kv[..., d:]
+def _gather_kv(gather, k_cache, v_cache, *args) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values by `gather(cache, *args)`: one gather of the interleaved pages where they are, else two."""
+    base = interleaved(k_cache, v_cache)
+    if base is None:
+        return gather(k_cache, *args), gather(v_cache, *args)
+    kv = gather(base, *args)
+    return kv[..., :k_cache.shape[-1]], kv[..., k_cache.shape[-1]:]
 
 
 def gather_context_kv(k_cache, v_cache, block_table, reqs, num_keys):
-    """`gather_context` of keys and values: two `[n, G, num_keys, D]` float32 tensors (views of one gather if they can)."""
-    base = interleaved(k_cache, v_cache)
-    if base is None:
-        return (gather_context(k_cache, block_table, reqs, num_keys),
-                gather_context(v_cache, block_table, reqs, num_keys))
-    return _split(gather_context(base, block_table, reqs, num_keys), k_cache.shape[-1])
+    """`gather_context` of keys and values: two `[n, G, num_keys, D]` float32 tensors."""
+    return _gather_kv(gather_context, k_cache, v_cache, block_table, reqs, num_keys)
 
 
 def gather_request_kv(k_cache, v_cache, block_table_row, num_keys):
     """`gather_request` of keys and values: two `[G, num_keys, D]` float32 tensors."""
-    reqs = torch.zeros(1, dtype=torch.long, device=k_cache.device)
-    k, v = gather_context_kv(k_cache, v_cache, block_table_row[None], reqs, num_keys)
-    return k[0], v[0]
+    return _gather_kv(gather_request, k_cache, v_cache, block_table_row, num_keys)
 
 
 def gather_rows_kv(k_cache, v_cache, block_table, reqs, positions):
     """`gather_rows` of keys and values: two `[n, G, S, D]` float32 tensors."""
-    base = interleaved(k_cache, v_cache)
-    if base is None:
-        return (gather_rows(k_cache, block_table, reqs, positions),
-                gather_rows(v_cache, block_table, reqs, positions))
-    return _split(gather_rows(base, block_table, reqs, positions), k_cache.shape[-1])
+    return _gather_kv(gather_rows, k_cache, v_cache, block_table, reqs, positions)
 
 
 def sink_softmax(z: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
@@ -281,23 +277,28 @@ def attend_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: t
 GATHER_FACTOR = 8
 
 
-def sparse_attention(q, k_cache, v_cache, block_table, plan: BatchPlan, out, *, scale: float, sinks, width: int,
-                     select, mask) -> None:
-    """Drive a sparse role over a step: decode rows together, each prefill run by matrix products.
+def sparse_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, *, scale: float, sinks, out,
+                     plan: BatchPlan | None, width: int, select, mask) -> torch.Tensor:
+    """A sparse role over a step (the kernels' contract): decode rows together, each prefill run by matrix products.
 
     Args:
-        q: `[T, H, D]`; out: `[T, H, D]`, rows `[0, plan.num_tokens)` are written.
-        sinks: `[G, P]` float32 or None.
+        q: `[T, H, D]`; sinks: `[H]` or None; out: `[T, H, D]` or None (rows past the last request get 0).
         width: keys a row selects per KV group.
-        select: `rows [n] -> (positions, valid)`, both `[n, G, width]`.
-        mask: `(start, end, num_keys) -> [end - start, G, num_keys]` bool key mask of rows `[start, end)`.
+        select: `(plan, rows [n]) -> (positions, valid)`, both `[n, G, width]`.
+        mask: `(plan, start, end, num_keys) -> [end - start, G, num_keys]` bool key mask of rows `[start, end)`.
+    Returns:
+        out.
     """
+    out, sinks = check_paged_batch(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, out, sinks)
+    plan = plan_or_make(plan, query_start_loc, seq_lens, q.shape[0])
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[1]
+    sinks = None if sinks is None else sinks.view(num_kv_heads, -1)
+    out[plan.num_tokens:].zero_()
     rows_per_chunk = ELEMENT_BUDGET // (num_kv_heads * width * (2 * head_dim + num_heads // num_kv_heads))
 
     def gathered(rows, reqs):
-        positions, valid = select(rows)
+        positions, valid = select(plan, rows)
         o = attend_positions(q[rows], k_cache, v_cache, block_table, reqs, positions, valid, scale, sinks)
         out[rows] = o.to(out.dtype)
 
@@ -313,8 +314,9 @@ def sparse_attention(q, k_cache, v_cache, block_table, plan: BatchPlan, out, *, 
         for s, e in chunks(run.end - run.start, ELEMENT_BUDGET // (2 * num_heads * run.seq_len)):
             a, b = run.start + s, run.start + e
             num_keys = run.first_pos + (b - run.start)
-            o = attend_masked(q[a:b], k[:, :num_keys], v[:, :num_keys], mask(a, b, num_keys), scale, sinks)
+            o = attend_masked(q[a:b], k[:, :num_keys], v[:, :num_keys], mask(plan, a, b, num_keys), scale, sinks)
             out[a:b] = o.to(out.dtype)
+    return out
 
 
 def oracle_attention_rows(q, k_cache, v_cache, block_table, plan: BatchPlan, out, indices, *, scale: float,

@@ -7,8 +7,7 @@ prefill run attends its own keys under the block mask (see `paged_batch`).
 
 import torch
 
-from csrc_triton.paged_args import check_paged_batch
-from csrc_triton.paged_batch import BatchPlan, plan_or_make, sparse_attention
+from csrc_triton.paged_batch import BatchPlan, sparse_attention
 
 
 def block_positions(blocks: torch.Tensor, pos: torch.Tensor, block_size: int):
@@ -33,18 +32,13 @@ def block_mask(blocks: torch.Tensor, pos: torch.Tensor, block_size: int, num_key
 def block_sparse_attention_batched(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, block_indices, *,
                                    scale, sparse_block_size, sinks=None, out=None, plan: BatchPlan | None = None):
     """`block_sparse_attention` in batched PyTorch; `plan` (from `make_plan`) spares the host read of the batch."""
-    out, sinks = check_paged_batch(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, out, sinks)
-    plan = plan_or_make(plan, query_start_loc, seq_lens, q.shape[0])
-    num_kv_heads = k_cache.shape[1]
-    group_sinks = None if sinks is None else sinks.view(num_kv_heads, -1)
-    out[plan.num_tokens:].zero_()
 
-    def select(rows):
+    def select(plan, rows):
         return block_positions(block_indices[rows], plan.row_pos[rows], sparse_block_size)
 
-    def mask(start, end, num_keys):
+    def mask(plan, start, end, num_keys):
         return block_mask(block_indices[start:end], plan.row_pos[start:end], sparse_block_size, num_keys)
 
-    sparse_attention(q, k_cache, v_cache, block_table, plan, out, scale=scale, sinks=group_sinks,
-                     width=block_indices.shape[-1] * sparse_block_size, select=select, mask=mask)
-    return out
+    return sparse_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale=scale, sinks=sinks,
+                            out=out, plan=plan, width=block_indices.shape[-1] * sparse_block_size, select=select,
+                            mask=mask)

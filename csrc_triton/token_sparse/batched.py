@@ -7,8 +7,7 @@ run attends its own keys under the token mask (see `paged_batch`).
 
 import torch
 
-from csrc_triton.paged_args import check_paged_batch
-from csrc_triton.paged_batch import BatchPlan, plan_or_make, sparse_attention
+from csrc_triton.paged_batch import BatchPlan, sparse_attention
 
 
 def token_positions(tokens: torch.Tensor, pos: torch.Tensor):
@@ -28,18 +27,12 @@ def token_mask(tokens: torch.Tensor, pos: torch.Tensor, num_keys: int) -> torch.
 def token_sparse_attention_batched(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, token_indices, *,
                                    scale, sinks=None, out=None, plan: BatchPlan | None = None):
     """`token_sparse_attention` in batched PyTorch; `plan` (from `make_plan`) spares the host read of the batch."""
-    out, sinks = check_paged_batch(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, out, sinks)
-    plan = plan_or_make(plan, query_start_loc, seq_lens, q.shape[0])
-    num_kv_heads = k_cache.shape[1]
-    group_sinks = None if sinks is None else sinks.view(num_kv_heads, -1)
-    out[plan.num_tokens:].zero_()
 
-    def select(rows):
+    def select(plan, rows):
         return token_positions(token_indices[rows], plan.row_pos[rows])
 
-    def mask(start, end, num_keys):
+    def mask(plan, start, end, num_keys):
         return token_mask(token_indices[start:end], plan.row_pos[start:end], num_keys)
 
-    sparse_attention(q, k_cache, v_cache, block_table, plan, out, scale=scale, sinks=group_sinks,
-                     width=token_indices.shape[-1], select=select, mask=mask)
-    return out
+    return sparse_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale=scale, sinks=sinks,
+                            out=out, plan=plan, width=token_indices.shape[-1], select=select, mask=mask)
