@@ -251,8 +251,10 @@ def attend_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: t
                   sinks: torch.Tensor | None) -> torch.Tensor:
     """Sink attention of one request's rows over its keys under a per-row key mask (the sparse roles' prefill path).
 
-    Dense matrix products over all `S` keys: on a CPU they beat gathering each
-    row's keys until the context is many times the selection.
+    Dense products over all `S` keys: on a CPU they beat gathering each row's
+    keys until the context is many times the selection. There, PyTorch's
+    fused flash attention does it without materialising the logits; the sink
+    rescales its output by `Σe / (Σe + e^s) = sigmoid(lse - s)`.
 
     Args:
         q: `[n, H, D]`; k, v: `[G, S, D]` float32 (the request's keys `[0, S)`).
@@ -261,6 +263,25 @@ def attend_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: t
     Returns:
         `[n, H, D]` float32.
     """
+    n, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[0]
+    per_group = num_heads // num_kv_heads
+    if q.device.type != "cpu":
+        return _attend_masked_unfused(q, k, v, key_mask, scale, sinks)
+    qg = group_queries(q, num_kv_heads).transpose(1, 2)  # [G, P, n, D]
+    shape = (num_kv_heads, per_group, k.shape[1], head_dim)
+    bias = torch.zeros(key_mask.shape, dtype=torch.float32, device=q.device).masked_fill_(~key_mask, float("-inf"))
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        qg, k[:, None].expand(shape), v[:, None].expand(shape), attn_mask=bias.transpose(0, 1)[:, None], scale=scale)
+    weight = torch.isfinite(lse).float()  # [G, P, n]; rows with no key get 0 (flash leaves them undefined)
+    if sinks is not None:
+        weight = weight * torch.sigmoid(lse - sinks[:, :, None])
+    o = torch.where(weight[..., None] > 0, o * weight[..., None], 0.0)
+    return o.permute(2, 0, 1, 3).reshape(n, num_heads, head_dim)
+
+
+def _attend_masked_unfused(q, k, v, key_mask, scale, sinks):
+    """`attend_masked` with explicit logits (devices without PyTorch's CPU flash kernel)."""
     n, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[0]
     per_group = num_heads // num_kv_heads
@@ -311,7 +332,7 @@ def sparse_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens
                 gathered(rows, torch.full_like(rows, run.req))
             continue
         k, v = gather_request_kv(k_cache, v_cache, block_table[run.req], run.seq_len)
-        for s, e in chunks(run.end - run.start, ELEMENT_BUDGET // (2 * num_heads * run.seq_len)):
+        for s, e in chunks(run.end - run.start, ELEMENT_BUDGET // (2 * num_kv_heads * run.seq_len)):
             a, b = run.start + s, run.start + e
             num_keys = run.first_pos + (b - run.start)
             o = attend_masked(q[a:b], k[:, :num_keys], v[:, :num_keys], mask(plan, a, b, num_keys), scale, sinks)
@@ -352,15 +373,16 @@ def oracle_attention_rows(q, k_cache, v_cache, block_table, plan: BatchPlan, out
             if ext is not None:
                 o, z, lse = ext.paged_decode(q[rows].float(), base, block_table, reqs, lens, num_keys, scale)
                 shape = (e - s, num_kv_heads, 1, per_group)
-                o, z, lse = o.view(*shape, head_dim), z.view(*shape, num_keys), lse.view(*shape, 1)
+                o = o.view(*shape, head_dim)
+                ids = select(z.view(*shape, num_keys), lse.view(*shape, 1), limit)
             else:
                 k, v = gather_context_kv(k_cache, v_cache, block_table, reqs, num_keys)
                 # keys past a shorter request's end are other data (or never written): no weight, no NaN
                 past = torch.arange(num_keys, device=q.device)[None, None, :, None] >= lens[:, None, None, None]
                 v.masked_fill_(past, 0.0)
                 qg = q[rows].float().view(-1, num_kv_heads, 1, per_group, head_dim)
-                z, lse, o = causal_attention(qg, k, v, limit, scale)
-            write(rows, o, select(z, lse, limit))
+                ids, o = causal_attention(qg, k, v, limit, scale, select)
+            write(rows, o, ids)
     for run in plan.prefills:
         k, v = gather_request_kv(k_cache, v_cache, block_table[run.req], run.seq_len)
         k, v = k[None], v[None]
@@ -369,24 +391,32 @@ def oracle_attention_rows(q, k_cache, v_cache, block_table, plan: BatchPlan, out
             num_keys = run.first_pos + (b - run.start)
             qg = group_queries(q[a:b], num_kv_heads)[None]  # [1, G, r, P, D]
             limit = plan.row_pos[a:b][None]
-            z, lse, o = causal_attention(qg, k[:, :, :num_keys], v[:, :, :num_keys], limit, scale)
-            write(slice(a, b), o, select(z, lse, limit))
+            ids, o = causal_attention(qg, k[:, :, :num_keys], v[:, :, :num_keys], limit, scale, select,
+                                      mask_from=run.first_pos + s + 1)
+            write(slice(a, b), o, ids)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limit: torch.Tensor, scale: float):
-    """Exact causal GQA attention that keeps its logits (the oracles select from the same scores).
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limit: torch.Tensor, scale: float, select,
+                     mask_from: int = 0):
+    """Exact causal GQA attention and a selection from the same logits (each key is scored once).
+
+    The selection reads the logits before they are turned, in place, into the
+    probabilities that weight the values.
 
     Args:
         q: `[b, G, r, P, D]` float32; k, v: `[b, G, S, D]` float32; limit: `[b, r]` last visible key of each row.
+        select: `(z [b, G, r, P, S], lse [b, G, r, P, 1], limit) -> ids`; z is -inf past each row's limit.
+        mask_from: no row's limit is below `mask_from - 1` (a host bound): keys before it need no mask.
     Returns:
-        logits z `[b, G, r, P, S]` (-inf past the limit), lse `[b, G, r, P, 1]` and the output `[b, G, r, P, D]`.
+        the selection `ids` and the output `[b, G, r, P, D]`.
     """
     b, g, r, p, d = q.shape
     s = k.shape[2]
-    z = grouped_logits(q.reshape(b, g, r * p, d), k, scale).view(b, g, r, p, s)
-    j = torch.arange(s, device=q.device)
-    z.masked_fill_(j > limit[:, None, :, None, None], float("-inf"))
+    z = torch.matmul((q * scale).reshape(b, g, r * p, d), k.transpose(-1, -2)).view(b, g, r, p, s)
+    j = torch.arange(mask_from, s, device=q.device)
+    z[..., mask_from:].masked_fill_(j > limit[:, None, :, None, None], float("-inf"))
     lse = torch.logsumexp(z, dim=-1, keepdim=True)
-    probs = torch.exp(z - lse)
+    ids = select(z, lse, limit)
+    probs = z.sub_(lse).exp_()
     o = torch.matmul(probs.view(b, g, r * p, s), v).view(b, g, r, p, d)
-    return z, lse, o
+    return ids, o

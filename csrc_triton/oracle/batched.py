@@ -23,10 +23,10 @@ def select_blocks(z, lse, limit, sparse_block_size: int, topk: int):
     """
     b, g, r = z.shape[:3]
     s = z.shape[-1]
-    num_blocks = -(-s // sparse_block_size)
-    if num_blocks * sparse_block_size != s:
-        z = torch.nn.functional.pad(z, (0, num_blocks * sparse_block_size - s), value=float("-inf"))
-    u = z.view(*z.shape[:-1], num_blocks, sparse_block_size).amax(dim=-1)  # [b, G, r, P, NB] block maxima
+    num_blocks, full = -(-s // sparse_block_size), s // sparse_block_size
+    u = z[..., :full * sparse_block_size].view(*z.shape[:-1], full, sparse_block_size).amax(dim=-1)
+    if full < num_blocks:  # the partial last block, without padding a copy of z
+        u = torch.cat([u, z[..., full * sparse_block_size:].amax(dim=-1, keepdim=True)], dim=-1)
     scores = torch.exp(u - lse).amax(dim=3)  # [b, G, r, NB]: S = exp(u - lse), max over the group's heads
     starts = torch.arange(num_blocks, device=z.device) * sparse_block_size
     visible = starts[None, None, :] <= limit[:, :, None]  # [b, r, NB]
