@@ -117,16 +117,27 @@ def test_select_tokens_matches_sorting(topk, window):
     assert torch.equal(got, want.long())
 
 
-@pytest.mark.parametrize("case", bs.CASES, ids=str)
+# family -> (its test module, random selection of a batch, naive twin, batched twin)
+SPARSE = {
+    "block": (bs, lambda b, c, seed: bs.random_blocks(b, c.num_kv_heads, c.block_size, c.topk, seed=seed),
+              block_sparse_attention_naive, block_sparse_attention_batched),
+    "token": (ts, lambda b, c, seed: ts.random_tokens(b, c.num_kv_heads, c.window, c.topk, seed=seed),
+              token_sparse_attention_naive, token_sparse_attention_batched),
+}
+
+
+@pytest.mark.parametrize("family,case", [("block", c) for c in bs.CASES] + [("token", c) for c in ts.CASES],
+                         ids=lambda x: str(x))
 @pytest.mark.parametrize("use_sinks", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_block_sparse(case, use_sinks, dtype, prefill_path):
-    batch, q, sinks = bs.make_inputs(case, dtype, seed=13)
+def test_sparse(family, case, use_sinks, dtype, prefill_path):
+    module, selection, naive, batched = SPARSE[family]
+    batch, q, sinks = module.make_inputs(case, dtype, seed=13)
     sinks = sinks if use_sinks else None
-    ids = bs.random_blocks(batch, case.num_kv_heads, case.block_size, case.topk, seed=13)
-    ref = bs.run(block_sparse_attention_naive, batch, q, ids, case, sinks)
+    ids = selection(batch, case, 13)
+    ref = module.run(naive, batch, q, ids, case, sinks)
     out = nan_like(q)
-    got = bs.run(block_sparse_attention_batched, batch, q, ids, case, sinks, out=out)
+    got = module.run(batched, batch, q, ids, case, sinks, out=out)
     assert got is out and not got.isnan().any()
     tol = 1e-5 if dtype == torch.float32 else 4e-3
     torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
@@ -139,18 +150,3 @@ def test_block_sparse_all_blocks_is_dense_causal(prefill_path):
     ref = bs.dense_causal(batch, q, case.head_dim ** -0.5, sinks).float().to(DEVICE)
     got = bs.run(block_sparse_attention_batched, batch, q, ids, case, sinks, out=nan_like(q))
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("case", ts.CASES, ids=str)
-@pytest.mark.parametrize("use_sinks", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_token_sparse(case, use_sinks, dtype, prefill_path):
-    batch, q, sinks = ts.make_inputs(case, dtype, seed=14)
-    sinks = sinks if use_sinks else None
-    ids = ts.random_tokens(batch, case.num_kv_heads, case.window, case.topk, seed=14)
-    ref = ts.run(token_sparse_attention_naive, batch, q, ids, case, sinks)
-    out = nan_like(q)
-    got = ts.run(token_sparse_attention_batched, batch, q, ids, case, sinks, out=out)
-    assert got is out and not got.isnan().any()
-    tol = 1e-5 if dtype == torch.float32 else 4e-3
-    torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
