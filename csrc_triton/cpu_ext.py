@@ -13,7 +13,8 @@ import threading
 from pathlib import Path
 
 CPU_EXT_ENV = "VLLM_HYSPARSE_CPU_EXT"
-_SOURCES = {"oracle_decode": Path(__file__).parent / "oracle" / "cpu_decode.cpp"}
+_SOURCES = {"oracle_decode": Path(__file__).parent / "oracle" / "cpu_decode.cpp",
+            "sparse": Path(__file__).parent / "cpu_sparse.cpp"}
 # -ffast-math lets GCC call glibc's vector expf; -fno-finite-math-only keeps the -inf masks exact.
 # -fopenmp: at::parallel_for is OpenMP in the header, and serial without it.
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"]

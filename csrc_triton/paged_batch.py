@@ -41,7 +41,7 @@ class BatchPlan:
 
     Attributes:
         num_tokens: rows that belong to a request (`query_start_loc[-1]`, capped at the batch).
-        row_pos: `[num_tokens]` int64 absolute position of every row.
+        row_pos: `[num_tokens]` int64 absolute position of every row; `row_req` `[num_tokens]` int64 its request.
         decode_rows: `[Nd]` int64 rows of the requests with a single query row.
         decode_reqs: `[Nd]` int64 their requests; `decode_lens` `[Nd]` int64 their sequence lengths.
         max_decode_len: the longest of those sequences (0 without decode rows).
@@ -50,6 +50,7 @@ class BatchPlan:
 
     num_tokens: int
     row_pos: torch.Tensor
+    row_req: torch.Tensor
     decode_rows: torch.Tensor
     decode_reqs: torch.Tensor
     decode_lens: torch.Tensor
@@ -66,21 +67,24 @@ def make_plan(query_start_loc_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor, num
     """Host tensors `[R + 1]` and `[R]` of a step -> its plan, with device tensors on `device`."""
     starts, lens = query_start_loc_cpu.tolist(), seq_lens_cpu.tolist()
     num_tokens = min(num_tokens, starts[-1]) if starts else 0
-    row_pos, decodes, prefills = [], [], []
+    row_pos, row_req, decodes, prefills = [], [], [], []
     for r, seq_len in enumerate(lens):
         start, end = starts[r], min(starts[r + 1], num_tokens)
         if end <= start:
             continue
         row_pos.append(torch.arange(seq_len - (end - start), seq_len))
+        row_req.append(torch.full((end - start,), r))
         if end - start == 1:
             decodes.append((start, r, seq_len))
         else:
             prefills.append(PrefillRun(r, start, end, seq_len))
     dec = torch.tensor(decodes, dtype=torch.long).view(-1, 3)
     pos = torch.cat(row_pos) if row_pos else torch.zeros(0, dtype=torch.long)
+    req = torch.cat(row_req) if row_req else torch.zeros(0, dtype=torch.long)
     return BatchPlan(
         num_tokens=num_tokens,
         row_pos=pos.to(device, non_blocking=True),
+        row_req=req.to(device, non_blocking=True),
         decode_rows=dec[:, 0].to(device, non_blocking=True),
         decode_reqs=dec[:, 1].to(device, non_blocking=True),
         decode_lens=dec[:, 2].to(device, non_blocking=True),
@@ -299,13 +303,18 @@ GATHER_FACTOR = 8
 
 
 def sparse_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, *, scale: float, sinks, out,
-                     plan: BatchPlan | None, width: int, select, mask) -> torch.Tensor:
-    """A sparse role over a step (the kernels' contract): decode rows together, each prefill run by matrix products.
+                     plan: BatchPlan | None, ids: torch.Tensor, span: int, select, mask) -> torch.Tensor:
+    """A sparse role over a step (the kernels' contract).
+
+    Where the C++ kernel is built (float32, vLLM's interleaved pages on the
+    CPU), every row runs over its own selection straight from the pages.
+    Otherwise decode rows gather their keys together and each prefill run is
+    attended with a key mask.
 
     Args:
         q: `[T, H, D]`; sinks: `[H]` or None; out: `[T, H, D]` or None (rows past the last request get 0).
-        width: keys a row selects per KV group.
-        select: `(plan, rows [n]) -> (positions, valid)`, both `[n, G, width]`.
+        ids: `[T, G, W]` selection; entry `i` stands for positions `[i * span, i * span + span)`, -1 for none.
+        select: `(plan, rows [n]) -> (positions, valid)`, both `[n, G, W * span]`.
         mask: `(plan, start, end, num_keys) -> [end - start, G, num_keys]` bool key mask of rows `[start, end)`.
     Returns:
         out.
@@ -314,8 +323,18 @@ def sparse_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens
     plan = plan_or_make(plan, query_start_loc, seq_lens, q.shape[0])
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[1]
-    sinks = None if sinks is None else sinks.view(num_kv_heads, -1)
     out[plan.num_tokens:].zero_()
+    base = interleaved(k_cache, v_cache) if k_cache.dtype == torch.float32 else None
+    ext = cpu_ext.load("sparse") if base is not None and base.device.type == "cpu" else None
+    if ext is not None:
+        n = plan.num_tokens
+        no_sinks = torch.empty(0, dtype=torch.float32)
+        o = ext.paged_sparse(q[:n].float(), base, block_table, plan.row_req, plan.row_pos,
+                             ids[:n].to(torch.int32), span, scale, no_sinks if sinks is None else sinks)
+        out[:n] = o.to(out.dtype)
+        return out
+    width = ids.shape[-1] * span
+    sinks = None if sinks is None else sinks.view(num_kv_heads, -1)
     rows_per_chunk = ELEMENT_BUDGET // (num_kv_heads * width * (2 * head_dim + num_heads // num_kv_heads))
 
     def gathered(rows, reqs):

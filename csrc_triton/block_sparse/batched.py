@@ -40,5 +40,5 @@ def block_sparse_attention_batched(q, k_cache, v_cache, block_table, query_start
         return block_mask(block_indices[start:end], plan.row_pos[start:end], sparse_block_size, num_keys)
 
     return sparse_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale=scale, sinks=sinks,
-                            out=out, plan=plan, width=block_indices.shape[-1] * sparse_block_size, select=select,
+                            out=out, plan=plan, ids=block_indices, span=sparse_block_size, select=select,
                             mask=mask)

@@ -35,4 +35,4 @@ def token_sparse_attention_batched(q, k_cache, v_cache, block_table, query_start
         return token_mask(token_indices[start:end], plan.row_pos[start:end], num_keys)
 
     return sparse_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale=scale, sinks=sinks,
-                            out=out, plan=plan, width=token_indices.shape[-1], select=select, mask=mask)
+                            out=out, plan=plan, ids=token_indices, span=1, select=select, mask=mask)

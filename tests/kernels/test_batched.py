@@ -27,9 +27,14 @@ from tests.kernels import test_token_sparse as ts
 from tests.kernels.conftest import DEVICE, nan_like
 
 
-@pytest.fixture(params=["masked", "gathered"])
+@pytest.fixture(params=["cpp", "masked", "gathered"])
 def prefill_path(request, monkeypatch):
-    """Short prefill runs take the masked path; GATHER_FACTOR = 0 sends them down the gathered one."""
+    """Sparse roles: the C++ kernel (every row, from the pages), or the PyTorch paths: short prefill runs
+    take the masked path, and GATHER_FACTOR = 0 sends them down the gathered one (decode rows always are)."""
+    if request.param == "cpp":
+        assert cpu_ext.load("sparse") is not None, "the C++ CPU kernel must build here (see csrc_triton/cpu_ext.py)"
+    else:
+        monkeypatch.setattr(cpu_ext, "load", lambda name="sparse": None)
     if request.param == "gathered":
         monkeypatch.setattr(paged_batch, "GATHER_FACTOR", 0)
     return request.param
