@@ -11,7 +11,7 @@ setup(
     description="HySparse and HySparse2 hybrid sparse attention for vLLM",
     python_requires=">=3.10",
     packages=find_packages(include=["vllm_hysparse*", "csrc_triton*"]),
-    package_data={"csrc_triton": ["*/*.cpp"]},
+    package_data={"csrc_triton": ["*.cpp", "*.h", "*/*.cpp"]},
     install_requires=[
         "torch>=2.6",
         "transformers>=5.0",

@@ -10,6 +10,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "../cpu_online_softmax.h"
+
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -50,37 +52,9 @@ void decode_tasks(const Problem& pb, int64_t dim_rt, int64_t begin, int64_t end)
     for (int64_t first = 0; first < len; first += page) {
       const int64_t count = std::min(page, len - first);
       const float* slab = pb.kv + pages[first / page] * pb.s_page + g * pb.s_group;
-      for (int64_t p = 0; p < per_group; ++p) {
-        const float* qh = qg + p * dim;
-        float* z = zg + p * max_len + first;
-        float mx = m[p];
-        for (int64_t t = 0; t < count; ++t) {
-          const float* k = slab + t * pb.s_tok;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < dim; ++d) dot += qh[d] * k[d];
-          z[t] = dot * pb.scale;
-          mx = std::max(mx, z[t]);
-        }
-        const float rescale = std::exp(m[p] - mx);  // 0 on the first page (m = -inf)
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < count; ++t) {
-          w[t] = std::exp(z[t] - mx);
-          sum += w[t];
-        }
-        l[p] = l[p] * rescale + sum;
-        m[p] = mx;
-        float* a = acc.data() + p * dim;
-#pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) a[d] *= rescale;
-        for (int64_t t = 0; t < count; ++t) {
-          const float* v = slab + t * pb.s_tok + dim;
-          const float wt = w[t];
-#pragma omp simd
-          for (int64_t d = 0; d < dim; ++d) a[d] += wt * v[d];
-        }
-      }
+      for (int64_t p = 0; p < per_group; ++p)
+        online_softmax_run<DIM>(qg + p * dim, slab, count, pb.s_tok, dim, pb.scale, zg + p * max_len + first,
+                                w.data(), m[p], l[p], acc.data() + p * dim);
     }
     for (int64_t p = 0; p < per_group; ++p) {
       const int64_t h = g * per_group + p;
