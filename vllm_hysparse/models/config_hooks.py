@@ -16,11 +16,39 @@ def early_exit_enabled() -> bool:
     return os.environ.get(EARLY_EXIT_ENV, "1") != "0"
 
 
-class HySparse2ConfigUpdater:
-    """Turns on vLLM's KV-sharing fast prefill, i.e. HySparse2's prefill early exit, by default."""
+# Workers whose model runner executes PIC requests (SPEC §4), by platform.
+PIC_WORKERS = {"cpu": "vllm_hysparse.pic.worker.HySparseCPUWorker",
+               "cuda": "vllm_hysparse.pic.worker_gpu.HySparseGPUWorker"}
+
+
+def select_pic_worker(vllm_config) -> None:
+    """PIC needs no flag: take our worker where vLLM would pick its default one."""
+    from vllm.platforms import current_platform
+
+    parallel = vllm_config.parallel_config
+    worker = PIC_WORKERS.get(current_platform.device_type)
+    if parallel.worker_cls == "auto" and worker is not None and not vllm_config.use_v2_model_runner:
+        parallel.worker_cls = worker
+
+
+class HySparseConfigUpdater:
+    """HySparse: the PIC worker."""
 
     @staticmethod
     def verify_and_update_config(vllm_config) -> None:
+        select_pic_worker(vllm_config)
+
+    @staticmethod
+    def verify_and_update_model_config(model_config) -> None:
+        return
+
+
+class HySparse2ConfigUpdater:
+    """The PIC worker, and vLLM's KV-sharing fast prefill (HySparse2's prefill early exit) on by default."""
+
+    @staticmethod
+    def verify_and_update_config(vllm_config) -> None:
+        select_pic_worker(vllm_config)
         cache_config = vllm_config.cache_config
         if early_exit_enabled() and not cache_config.kv_sharing_fast_prefill:
             cache_config.kv_sharing_fast_prefill = True

@@ -1,0 +1,428 @@
+# SPDX-License-Identifier: Apache-2.0
+"""PIC inside vLLM's model runner: splice stored segment K/V and run the layers on recomputed rows only.
+
+vLLM's scheduler cannot leave holes in a request's computed prefix, so it
+schedules every prompt token of a PIC request as usual. The saving happens
+here, around the model call of each step that holds spliced rows:
+
+1. **Isolated pass** for cold segments (first seen, or evicted): each is a
+   virtual request at local positions 0..len-1 over scratch pages, run
+   through the whole model; a tap on every KV-owning layer's cache write
+   records the K/V it stores, which become the segment's store entry.
+2. **Splice**: for every spliced row (a reused segment's rows after its
+   seam), every KV-owning layer's stored K (rotated by the segment's new
+   start on rotary layers) and V are written into the row's own slots.
+3. **Recompute pass**: the model runs on the other rows only (prefix, seams,
+   query, decode rows, plain requests). Each run of consecutive such rows of
+   a request is a virtual request over that request's block table, so it
+   attends causally to everything before it, spliced rows included.
+
+All of it is eager Python between compiled model calls, with the forward
+context swapped for each call (the attention ops read it at run time); a
+step without spliced rows calls the model exactly as vLLM does.
+"""
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+from vllm.forward_context import get_forward_context, override_forward_context
+from vllm.logger import init_logger
+from vllm.v1.attention.backend import CommonAttentionMetadata
+
+from vllm_hysparse.pic.layout import PICError, PICLayout, parse_layout
+from vllm_hysparse.pic.rotation import rotate_by
+from vllm_hysparse.pic.store import SegmentStore, model_fingerprint, segment_key
+
+logger = init_logger("vllm.hysparse")
+
+
+@dataclass
+class RequestPIC:
+    layout: PICLayout
+    keys: dict[int, tuple[str, tuple[int, ...]]]  # middle segment index -> (store key, token ids)
+    pool: str = "public"
+
+
+@dataclass
+class Splice:
+    key: str
+    rows: np.ndarray  # batch rows that take stored K/V
+    offsets: np.ndarray  # positions within the segment
+    start: int  # the segment's start a_i in the prompt (rotation)
+
+
+@dataclass
+class StepPlan:
+    recompute: np.ndarray  # bool [num_tokens]
+    splices: list[Splice]
+    cold: dict[str, tuple[tuple[int, ...], str, list[str]]]  # key -> (token ids, pool, request ids)
+    entries: dict = field(default_factory=dict)  # key -> store Entry (hits; cold ones added after the isolated pass)
+    stats: dict = field(default_factory=dict)
+
+
+class KVTap:
+    """Wraps every KV-owning layer's cache write; records what it writes while `capture` is a dict."""
+
+    def __init__(self):
+        self.capture: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+
+    def install(self, layer, name: str) -> None:
+        impl = layer.impl
+        original = impl.do_kv_cache_update
+
+        def do_kv_cache_update(layer_, key, value, kv_cache, slot_mapping):
+            if self.capture is not None:
+                n = slot_mapping.shape[0]
+                self.capture.setdefault(name, []).append((key[:n].clone(), value[:n].clone()))
+            return original(layer_, key, value, kv_cache, slot_mapping)
+
+        impl.do_kv_cache_update = do_kv_cache_update
+        impl.pic_original_kv_update = original
+
+
+class PICEngine:
+    """Per-worker PIC state: the segment store, request layouts and the step executor."""
+
+    def __init__(self, runner):
+        self.store = SegmentStore()
+        self.active: dict[str, RequestPIC] = {}  # PIC requests, by id, until they finish or are preempted
+        self.tap = KVTap()
+        self.counters = dict(segments_hit=0, segments_cold=0, tokens_reused=0, tokens_recomputed=0)
+        self._ready = False
+        self.fingerprint = ""
+        self.kv_layers: dict[str, object] = {}  # KV-owning attention layers by name
+        self.ropes: dict[str, object] = {}
+        self._scratch: dict[int, torch.Tensor] = {}
+
+    # ---- setup -------------------------------------------------------------------------------------
+    def _setup(self, runner) -> None:
+        if self._ready:
+            return
+        model = runner.get_model()
+        layers = runner.compilation_config.static_forward_context
+        for name, layer in layers.items():
+            if getattr(layer, "kv_sharing_target_layer_name", None) is None and hasattr(layer, "impl"):
+                self.kv_layers[name] = layer
+                self.tap.install(layer, name)
+                parent = model.get_submodule(name.rsplit(".", 1)[0])
+                self.ropes[name] = getattr(parent, "rotary_emb", None)
+        self.fingerprint = model_fingerprint(model, runner.model_config.hf_config, runner.model_config.dtype)
+        self._ready = True
+
+    def release(self, req_ids) -> None:
+        for rid in req_ids:
+            self.active.pop(rid, None)
+            self.store.release(rid)
+
+    def admit(self, runner, rid: str, params, prompt_token_ids) -> None:
+        """A request entering the batch (new, or resumed after preemption): keep its layout if it has one."""
+        if params is None or prompt_token_ids is None:
+            return
+        try:
+            layout = parse_layout(params.extra_args, len(prompt_token_ids))
+        except PICError as e:  # the frontend refuses these; never let one stop the worker
+            logger.warning("request %s served without PIC: %s", rid, e)
+            return
+        if layout is None:
+            return
+        self._setup(runner)
+        salt = (params.extra_args or {}).get("pic_pool_salt")
+        keys = {}
+        for i, a, n in layout.middle():
+            ids = tuple(prompt_token_ids[a:a + n])
+            keys[i] = (segment_key(ids, self.fingerprint, salt), ids)
+        self.active[rid] = RequestPIC(layout, keys, "private" if salt else "public")
+
+    # ---- planning (host, once per step) --------------------------------------------------------------
+    def plan(self, runner) -> StepPlan | None:
+        batch = runner.input_batch
+        num_reqs = batch.num_reqs
+        qsl = runner.query_start_loc.np[:num_reqs + 1]
+        recompute = None
+        splices, cold, entries = [], {}, {}
+        stats = dict(segments_hit=0, segments_cold=0, tokens_reused=0, tokens_recomputed=0)
+        if not self.active:
+            return None
+        prefilled = []
+        for rid, info in self.active.items():
+            i = batch.req_id_to_index.get(rid)
+            if i is None:  # not scheduled this step
+                continue
+            start, count = int(batch.num_computed_tokens_cpu[i]), int(qsl[i + 1] - qsl[i])
+            spliced_here = 0
+            for seg, a, _ in info.layout.middle():
+                lo, hi = info.layout.spliced_span(seg)
+                lo, hi = max(lo, start), min(hi, start + count)
+                if lo >= hi:
+                    continue
+                key, ids = info.keys[seg]
+                if key not in entries and key not in cold:
+                    entry = self.store.lookup(info.pool, key, ids, rid)
+                    if entry is None:
+                        cold[key] = (ids, info.pool, [])
+                        stats["segments_cold"] += 1
+                    else:
+                        entries[key] = entry
+                        stats["segments_hit"] += 1
+                elif key in entries:
+                    self.store.lookup(info.pool, key, ids, rid)  # pin for this request too
+                if key in cold:
+                    cold[key][2].append(rid)
+                rows = np.arange(lo, hi) - start + qsl[i]
+                if recompute is None:
+                    recompute = np.ones(int(qsl[num_reqs]), dtype=bool)
+                recompute[rows] = False
+                splices.append(Splice(key, rows, np.arange(lo, hi) - a, a))
+                spliced_here += hi - lo
+            if start + count >= info.layout.prompt_len:
+                prefilled.append(rid)  # decode rows need no planning; its pins stay until it finishes
+            prompt_rows = max(0, min(start + count, info.layout.prompt_len) - start)
+            stats["tokens_reused"] += spliced_here
+            stats["tokens_recomputed"] += prompt_rows - spliced_here
+        for rid in prefilled:
+            del self.active[rid]
+        if recompute is None:
+            if stats["tokens_recomputed"]:
+                self._count(stats)
+            return None
+        return StepPlan(recompute, splices, cold, entries, stats)
+
+    def _count(self, stats: dict) -> None:
+        for k, v in stats.items():
+            self.counters[k] += v
+
+    # ---- execution ---------------------------------------------------------------------------------
+    def forward(self, runner, plan: StepPlan, input_ids, positions, inputs_embeds, model_kwargs):
+        if plan.cold:
+            self._isolated_pass(runner, plan)
+        self._splice(plan, positions)
+        rows = torch.from_numpy(np.flatnonzero(plan.recompute)).to(positions.device)
+        hidden = self._recompute_pass(runner, plan, rows, input_ids, positions, inputs_embeds, model_kwargs)
+        self._count(plan.stats)
+        return hidden
+
+    def _call_model(self, runner, context, input_ids, positions, inputs_embeds, model_kwargs):
+        with override_forward_context(context):
+            return runner.model(input_ids=input_ids, positions=positions, intermediate_tensors=None,
+                                inputs_embeds=inputs_embeds, **model_kwargs)
+
+    def _splice(self, plan: StepPlan, positions: torch.Tensor) -> None:
+        """Write every spliced row's stored K/V (K rotated to its new start) into its slots, layer by layer."""
+        context = get_forward_context()
+        rows = torch.from_numpy(np.concatenate([s.rows for s in plan.splices])).to(positions.device)
+        starts = torch.from_numpy(np.concatenate([np.full(len(s.rows), s.start) for s in plan.splices]))
+        starts = starts.to(positions.device, positions.dtype)
+        for name, layer in self.kv_layers.items():
+            parts = [(plan.entries[s.key].kv[name], torch.from_numpy(s.offsets)) for s in plan.splices]
+            k = torch.cat([kv[0][off] for kv, off in parts])
+            v = torch.cat([kv[1][off] for kv, off in parts])
+            rope = self.ropes[name]
+            if rope is not None:
+                k = rotate_by(rope, k.reshape(k.shape[0], -1), starts).view(k.shape)
+            slots = context.slot_mapping[name][rows]
+            layer.impl.pic_original_kv_update(layer, k, v, layer.kv_cache, slots)
+
+    def _recompute_pass(self, runner, plan, rows, input_ids, positions, inputs_embeds, model_kwargs):
+        num_reqs = runner.input_batch.num_reqs
+        qsl = runner.query_start_loc.np[:num_reqs + 1]
+        pos_np = positions.cpu().numpy() if positions.device.type != "cpu" else positions.numpy()
+        keep = plan.recompute
+        # Runs of consecutive recomputed rows of one request are the virtual requests.
+        v_req, v_start, v_end = [], [], []
+        for i in range(num_reqs):
+            r = np.flatnonzero(keep[qsl[i]:qsl[i + 1]]) + qsl[i]
+            if len(r) == 0:
+                continue
+            breaks = np.flatnonzero(np.diff(r) != 1) + 1
+            for run in np.split(r, breaks):
+                v_req.append(i)
+                v_start.append(run[0])
+                v_end.append(run[-1] + 1)
+        context = get_forward_context()
+        n = int(keep.sum())
+        lens = np.array(v_end) - np.array(v_start)
+        v_qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        seq_lens = np.array([pos_np[e - 1] + 1 for e in v_end], dtype=np.int32)
+        # Logits rows (each request's last scheduled row), in the subset's numbering.
+        new_index = np.full(len(keep), -1)
+        new_index[np.flatnonzero(keep)] = np.arange(n)
+        logits = new_index[qsl[1:] - 1]
+        logits = logits[logits >= 0]
+        metadata, slots = self._metadata(runner, context, v_req, v_qsl, seq_lens, rows, positions[rows], logits,
+                                         block_tables=None)
+        sub = replace(context, attn_metadata=metadata, slot_mapping=slots)
+        ids = input_ids[rows] if input_ids is not None else None
+        embeds = inputs_embeds[rows] if inputs_embeds is not None else None
+        out = self._call_model(runner, sub, ids, positions[rows], embeds, model_kwargs)
+        full = out.new_zeros((positions.shape[0], out.shape[-1]))  # rows past `keep` are padding
+        full[rows] = out
+        return full
+
+    def _metadata(self, runner, context, v_req, v_qsl, seq_lens, rows, positions, logits, block_tables):
+        """Attention metadata and slot mappings of a virtual batch, for every KV cache group's builders.
+
+        `block_tables` maps a group id to `[num_virtual, pages]` (the isolated pass's scratch pages); None
+        takes each virtual request's rows of the request's own block table, and its slots from this step's.
+        """
+        device = positions.device
+        num_v = len(v_req)
+        qsl_cpu = torch.from_numpy(np.asarray(v_qsl, dtype=np.int32))
+        seq_cpu = torch.from_numpy(np.asarray(seq_lens, dtype=np.int32))
+        req_index = torch.as_tensor(v_req, dtype=torch.long, device=device)
+        metadata, slot_by_layer = {}, {}
+        for gid, group in enumerate(runner.kv_cache_config.kv_cache_groups):
+            if block_tables is None:
+                table = runner.input_batch.block_table[gid].get_device_tensor(runner.input_batch.num_reqs)
+                table = table.index_select(0, req_index)
+                slot = context.slot_mapping[group.layer_names[0]][rows]
+            else:
+                table, slot = block_tables[gid]
+            cm = CommonAttentionMetadata(
+                query_start_loc=qsl_cpu.to(device), query_start_loc_cpu=qsl_cpu, seq_lens=seq_cpu.to(device),
+                seq_lens_cpu_upper_bound=seq_cpu, num_reqs=num_v, num_actual_tokens=int(v_qsl[-1]),
+                max_query_len=int(np.diff(v_qsl).max()), max_seq_len=int(seq_cpu.max()), block_table_tensor=table,
+                slot_mapping=slot, causal=True, positions=positions,
+                is_prefilling=torch.ones(num_v, dtype=torch.bool))
+            if runner.cache_config.kv_sharing_fast_prefill:
+                cm.logits_indices_padded = torch.as_tensor(logits, dtype=torch.int64, device=device)
+                cm.num_logits_indices = len(logits)
+                cm.max_logits_per_req = 1
+            for attn_group in runner.attn_groups[gid]:
+                built = attn_group.build_metadata(cm)
+                for name in attn_group.layer_names:
+                    metadata[name] = built
+            for name in group.layer_names:
+                slot_by_layer[name] = slot
+        return metadata, slot_by_layer
+
+    # ---- isolated pass ------------------------------------------------------------------------------
+    def _scratch_caches(self, runner, pages: int) -> dict[int, torch.Tensor]:
+        """One scratch cache per distinct KV tensor, `pages` manager blocks (+ block 0 as the null block)."""
+        out = {}
+        for layer in self.kv_layers.values():
+            cache = layer.kv_cache
+            scratch = self._scratch.get(id(cache))
+            if scratch is None or scratch.shape[0] < pages:
+                scratch = cache.new_zeros((pages, *cache.shape[1:]))
+                self._scratch[id(cache)] = scratch
+            out[id(cache)] = scratch
+        return out
+
+    def _isolated_pass(self, runner, plan: StepPlan) -> None:
+        context = get_forward_context()
+        budget = runner.scheduler_config.max_num_batched_tokens
+        groups = runner.kv_cache_config.kv_cache_groups
+        block = groups[0].kv_cache_spec.block_size
+        if any(g.kv_cache_spec.block_size != block for g in groups):
+            raise RuntimeError("PIC needs one block size across KV cache groups")
+        # Kernel pages per manager block (the cache tensors are in kernel pages).
+        any_cache = next(iter(self.kv_layers.values())).kv_cache
+        per_block = block // any_cache.shape[2]
+        segments = list(plan.cold.items())
+        base, first_block = {}, 1  # block 0 is the scratch's null block
+        for key, (ids, _, _) in segments:
+            base[key] = first_block
+            first_block += -(-len(ids) // block)
+        scratch = self._scratch_caches(runner, first_block * per_block)
+        # Pieces (segment, lo, hi) packed into passes of at most `budget` rows; one segment's pieces stay in order.
+        passes, current, room = [], [], budget
+        for key, (ids, _, _) in segments:
+            lo = 0
+            while lo < len(ids):
+                take = min(room, len(ids) - lo)
+                current.append((key, lo, lo + take))
+                lo += take
+                room -= take
+                if room == 0:
+                    passes.append(current)
+                    current, room = [], budget
+        if current:
+            passes.append(current)
+        captured = {key: {} for key, _ in segments}
+        swapped = {}
+        for layer in context.no_compile_layers.values():
+            cache = getattr(layer, "kv_cache", None)
+            if isinstance(cache, torch.Tensor) and id(cache) in scratch:
+                swapped[layer] = cache
+                layer.kv_cache = scratch[id(cache)]
+        try:
+            for pieces in passes:
+                self._run_isolated(runner, context, plan, pieces, base, block, captured)
+        finally:
+            for layer, cache in swapped.items():
+                layer.kv_cache = cache
+        for key, (ids, pool, rids) in segments:
+            kv = {name: (torch.cat([k for k, _ in parts]), torch.cat([v for _, v in parts]))
+                  for name, parts in captured[key].items()}
+            entry = self.store.insert(pool, key, ids, kv, rids[0])
+            for rid in rids[1:]:
+                self.store.lookup(pool, key, ids, rid)
+            plan.entries[key] = entry
+
+    def _run_isolated(self, runner, context, plan, pieces, base, block, captured) -> None:
+        device = runner.device
+        pos = np.concatenate([np.arange(lo, hi) for _, lo, hi in pieces])
+        ids = torch.as_tensor(np.concatenate([np.asarray(plan.cold[k][0][lo:hi]) for k, lo, hi in pieces]),
+                              dtype=torch.long, device=device)
+        lens = np.array([hi - lo for _, lo, hi in pieces])
+        v_qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        seq_lens = np.array([hi for _, _, hi in pieces], dtype=np.int32)
+        max_pages = max(-(-hi // block) for _, _, hi in pieces)
+        table = torch.zeros((len(pieces), max_pages), dtype=torch.int32)
+        for j, (key, _, hi) in enumerate(pieces):
+            table[j, :-(-hi // block)] = torch.arange(base[key], base[key] + -(-hi // block), dtype=torch.int32)
+        slot_np = np.concatenate([(base[k] + np.arange(lo, hi) // block) * block + np.arange(lo, hi) % block
+                                  for k, lo, hi in pieces])
+        slot = torch.as_tensor(slot_np, dtype=torch.int64, device=device)
+        positions = torch.as_tensor(pos, dtype=torch.long, device=device)
+        tables = {gid: (table.to(device), slot) for gid in range(len(runner.kv_cache_config.kv_cache_groups))}
+        logits = v_qsl[1:] - 1
+        metadata, slots = self._metadata(runner, context, list(range(len(pieces))), v_qsl, seq_lens, None,
+                                         positions, logits, block_tables=tables)
+        sub = replace(context, attn_metadata=metadata, slot_mapping=slots)
+        self.tap.capture = {}
+        try:
+            self._call_model(runner, sub, ids, positions, None, {})
+            taken = self.tap.capture
+        finally:
+            self.tap.capture = None
+        for name, writes in taken.items():
+            k = torch.cat([w[0] for w in writes])
+            v = torch.cat([w[1] for w in writes])
+            for j, (key, lo, hi) in enumerate(pieces):
+                a, b = int(v_qsl[j]), int(v_qsl[j + 1])
+                captured[key].setdefault(name, []).append((k[a:b], v[a:b]))
+
+
+class PICRunnerMixin:
+    """Mixed into vLLM's model runner class by our worker (see `vllm_hysparse.pic.worker`)."""
+
+    def _pic(self) -> PICEngine:
+        engine = getattr(self, "_pic_engine", None)
+        if engine is None:
+            engine = self._pic_engine = PICEngine(self)
+        return engine
+
+    def execute_model(self, scheduler_output, intermediate_tensors=None):
+        engine = self._pic()
+        done = set(scheduler_output.finished_req_ids) | set(scheduler_output.preempted_req_ids or ())
+        if done:
+            engine.release(done)
+        for new in scheduler_output.scheduled_new_reqs:
+            engine.admit(self, new.req_id, new.sampling_params, new.prompt_token_ids)
+        for rid in scheduler_output.scheduled_cached_reqs.resumed_req_ids:
+            state = self.requests.get(rid)
+            if state is not None:
+                engine.admit(self, rid, state.sampling_params, state.prompt_token_ids)
+        return super().execute_model(scheduler_output, intermediate_tensors)
+
+    def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None,
+                       **model_kwargs):
+        engine = self._pic()
+        plan = engine.plan(self) if intermediate_tensors is None and get_forward_context().attn_metadata else None
+        if plan is None:
+            return super()._model_forward(input_ids=input_ids, positions=positions,
+                                          intermediate_tensors=intermediate_tensors, inputs_embeds=inputs_embeds,
+                                          **model_kwargs)
+        return engine.forward(self, plan, input_ids, positions, inputs_embeds, model_kwargs)
