@@ -31,9 +31,10 @@ def register() -> None:
     Registers our configs with transformers (so vLLM reads HySparse / HySparse2
     `config.json` without `--trust-remote-code`), our model classes with vLLM's
     registry by lazy "module:Class" strings, our attention backend's name, the
-    HySparse2 config hook (early exit on by default), the prompt-logprobs guard
-    and the pages-per-query metrics collector. No model code is imported and no
-    device is touched.
+    HySparse2 config hook (early exit on by default), the prompt-logprobs guard,
+    the pages-per-query metrics collector and the PIC request API (validation and
+    prefix-cache salt in `InputProcessor.process_inputs`; in an API-server process
+    the text-level middleware). No model code is imported and no device is touched.
     """
     from vllm import ModelRegistry
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
@@ -50,6 +51,11 @@ def register() -> None:
         register_backend("HYSPARSE", "vllm_hysparse.attention.backend.HySparseAttentionBackend")
     MODELS_CONFIG_MAP.setdefault("HySparse2ForCausalLM", HySparse2ConfigUpdater)
     install_prompt_logprobs_guard()
+    from vllm_hysparse.pic.frontend import install_pic_frontend
+    from vllm_hysparse.pic.middleware import install_pic_middleware
+
+    install_pic_frontend()
+    install_pic_middleware()
     register_collector()
 
 

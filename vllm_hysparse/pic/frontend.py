@@ -1,0 +1,98 @@
+# SPDX-License-Identifier: Apache-2.0
+"""PIC request validation and prefix-cache separation in vLLM's frontend (SPEC §4).
+
+`install_pic_frontend()` wraps vLLM 0.32's `InputProcessor.process_inputs`,
+the one place that sees both a request's sampling params and its prompt
+token ids (offline `LLM`/`LLMEngine` and the OpenAI server's `AsyncLLM` alike).
+For HySparse / HySparse2 models it
+
+* parses `SamplingParams.extra_args` with `parse_layout`, turning a
+  `PICError` into vLLM's `VLLMValidationError(parameter=<field>)`, which the
+  OpenAI server answers with HTTP 400 naming the field and `LLM.generate`
+  raises as is;
+* refuses `prompt_logprobs` for PIC requests (interior rows have no logits);
+* sets the engine request's `cache_salt` to a combination of the user's salt
+  and the layout's salt, so blocks holding spliced K/V are never served to a
+  plain request (or to a PIC request with another layout) with the same tokens.
+
+Plain requests and other models pass through untouched.
+"""
+
+from vllm_hysparse.pic.client import TEXT_SEGMENTS_FIELD
+from vllm_hysparse.pic.layout import SEAM_FIELD, SEGMENTS_FIELD, PICError, PICLayout, parse_layout
+
+PIC_MODEL_TYPES = ("hysparse", "hysparse2")
+_HOOK_FLAG = "_hysparse_pic_frontend"
+
+
+def is_pic_model(model_config) -> bool:
+    """True for HySparse / HySparse2 checkpoints, the only models PIC applies to."""
+    hf_config = getattr(model_config, "hf_config", None)
+    return getattr(hf_config, "model_type", None) in PIC_MODEL_TYPES
+
+
+def pic_cache_salt(layout: PICLayout, user_salt: str | None) -> str:
+    """The engine request's prefix-cache salt for a PIC request: the layout's salt, then any user salt."""
+    return layout.salt() if not user_salt else f"{layout.salt()}|salt={user_salt}"
+
+
+def check_pic_request(request) -> PICLayout | None:
+    """Validate a processed `EngineCoreRequest`; salt it if it is a PIC request. Returns its layout or None.
+
+    Raises `VLLMValidationError` naming the offending field.
+    """
+    from vllm.exceptions import VLLMValidationError
+
+    params = request.sampling_params
+    if params is None:
+        return None
+    extra_args = params.extra_args
+    if not extra_args or not (SEGMENTS_FIELD in extra_args or SEAM_FIELD in extra_args
+                              or TEXT_SEGMENTS_FIELD in extra_args):
+        return None
+    if TEXT_SEGMENTS_FIELD in extra_args:
+        # Only the OpenAI server's /v1/completions understands it (the middleware replaces it);
+        # anywhere else it would silently turn into a plain request.
+        raise VLLMValidationError(
+            f"{TEXT_SEGMENTS_FIELD}: only understood by the OpenAI server's /v1/completions "
+            f"(with an empty prompt); elsewhere send token ids with {SEGMENTS_FIELD}",
+            parameter=TEXT_SEGMENTS_FIELD)
+    if request.prompt_token_ids is None:
+        raise VLLMValidationError(f"{SEGMENTS_FIELD}: PIC needs a prompt of token ids or text, not prompt_embeds",
+                                  parameter=SEGMENTS_FIELD, value=extra_args.get(SEGMENTS_FIELD))
+    try:
+        layout = parse_layout(extra_args, len(request.prompt_token_ids))
+    except PICError as e:
+        raise VLLMValidationError(str(e), parameter=e.field, value=extra_args.get(e.field)) from None
+    if layout is None:
+        return None
+    if params.prompt_logprobs is not None:
+        raise VLLMValidationError(
+            "prompt_logprobs are not available for PIC requests (pic_segments): spliced and interior "
+            "prompt rows are never run through the model, so they have no logits",
+            parameter="prompt_logprobs", value=params.prompt_logprobs)
+    request.cache_salt = pic_cache_salt(layout, request.cache_salt)
+    return layout
+
+
+def install_pic_frontend() -> None:
+    """Wrap `InputProcessor.process_inputs` with `check_pic_request` for HySparse models. Idempotent."""
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    original = InputProcessor.process_inputs
+    if getattr(original, _HOOK_FLAG, False):
+        return
+
+    def process_inputs(self, *args, **kwargs):
+        request = original(self, *args, **kwargs)
+        pic = self.__dict__.get("_hysparse_pic")
+        if pic is None:
+            pic = self.__dict__["_hysparse_pic"] = is_pic_model(self.model_config)
+        if pic:
+            check_pic_request(request)
+        return request
+
+    process_inputs.__wrapped__ = original
+    process_inputs.__doc__ = original.__doc__
+    setattr(process_inputs, _HOOK_FLAG, True)
+    InputProcessor.process_inputs = process_inputs

@@ -1,0 +1,191 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Text-level PIC requests for plain OpenAI clients (SPEC §4).
+
+A `/v1/completions` request may give its segments as text instead of token ids:
+
+    {"model": ..., "prompt": "", "max_tokens": 32,
+     "vllm_xargs": {"pic_text_segments": ["system ...", "doc 1", "doc 2", "question"],
+                    "pic_seam_tokens": 8}}
+
+`PICTextMiddleware` (pure ASGI) tokenizes every text on its own with the
+server's tokenizer (the first with the tokenizer's special tokens, the rest
+without, like `vllm_hysparse.pic.client.pic_prompt`), and rewrites the JSON
+body: `prompt` becomes the concatenated token ids, `vllm_xargs.pic_segments`
+their lengths, and `pic_text_segments` is dropped. From there the request is
+an ordinary token-level PIC request, validated by `vllm_hysparse.pic.frontend`.
+Malformed text requests get a 400 JSON error (vLLM's `ErrorResponse`) naming
+the field.
+
+Installation needs no flag: `install_pic_middleware()` (run from the plugin's
+`register()`) wraps `init_entrypoints_middleware` as
+`vllm.entrypoints.launchers.app.build_app` sees it and adds the middleware
+first, so it is the innermost one: it runs after vLLM's
+`AuthenticationMiddleware` (`--api-key`), CORS, and the rest. It can also be
+given as `--middleware vllm_hysparse.pic.middleware.PICTextMiddleware`
+(vLLM puts such middleware outside the authentication one); then, and in any
+case, it leaves requests that fail the API-key check untouched, so vLLM's
+authentication still answers them with 401 and nothing is tokenized for them.
+It passes every request through untouched unless the served model is
+HySparse / HySparse2 and the request is a POST to `/v1/completions` whose body
+mentions `pic_text_segments`.
+"""
+
+import json
+import sys
+
+from vllm_hysparse.pic.client import TEXT_SEGMENTS_FIELD, pic_prompt
+from vllm_hysparse.pic.frontend import is_pic_model
+from vllm_hysparse.pic.layout import SEGMENTS_FIELD
+
+COMPLETIONS_PATH = "/v1/completions"
+_HOOK_FLAG = "_hysparse_pic_middleware"
+_MARKER = TEXT_SEGMENTS_FIELD.encode()
+
+
+class PICTextError(ValueError):
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def rewrite_text_request(data, tokenizer) -> dict | None:
+    """A parsed completion request body -> the rewritten body, or None when it is not a text-level PIC request.
+
+    Raises `PICTextError` naming the field for malformed input.
+    """
+    if not isinstance(data, dict):
+        return None
+    xargs = data.get("vllm_xargs")
+    if not isinstance(xargs, dict) or TEXT_SEGMENTS_FIELD not in xargs:
+        return None
+    texts = xargs[TEXT_SEGMENTS_FIELD]
+    if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+        raise PICTextError(TEXT_SEGMENTS_FIELD, f"must be a list of strings (got {texts!r:.200})")
+    if len(texts) < 2:
+        raise PICTextError(TEXT_SEGMENTS_FIELD,
+                           f"needs at least 2 segments, a prefix and the query (got {len(texts)})")
+    if SEGMENTS_FIELD in xargs:
+        raise PICTextError(SEGMENTS_FIELD, f"give either {SEGMENTS_FIELD} (with a token-id prompt) or "
+                                           f"{TEXT_SEGMENTS_FIELD}, not both")
+    if data.get("prompt") not in (None, "", [], [""]):
+        raise PICTextError("prompt", f"must be empty or absent when vllm_xargs.{TEXT_SEGMENTS_FIELD} "
+                                     "gives the prompt's text")
+    if data.get("prompt_embeds") is not None:
+        raise PICTextError("prompt_embeds", f"cannot be combined with vllm_xargs.{TEXT_SEGMENTS_FIELD}")
+    try:
+        ids, lengths = pic_prompt(tokenizer, texts)
+    except ValueError as e:
+        raise PICTextError(TEXT_SEGMENTS_FIELD, str(e).removeprefix("texts: ")) from None
+    rest = {k: v for k, v in xargs.items() if k != TEXT_SEGMENTS_FIELD}
+    return {**data, "prompt": ids, "vllm_xargs": {**rest, SEGMENTS_FIELD: lengths}}
+
+
+def _error_response(exc: PICTextError):
+    from starlette.responses import JSONResponse
+    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+    from vllm.exceptions import VLLMValidationError
+
+    err = create_error_response(VLLMValidationError(str(exc), parameter=exc.field))
+    return JSONResponse(content=err.model_dump(), status_code=err.error.code)
+
+
+def _authorized(scope, state) -> bool:
+    """vLLM's own API-key check (`AuthenticationMiddleware.verify_token`), or True without `--api-key`."""
+    from starlette.datastructures import Headers
+    from vllm import envs
+    from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+
+    args = getattr(state, "args", None)
+    tokens = [k for k in (getattr(args, "api_key", None) or [envs.VLLM_API_KEY]) if k]
+    return not tokens or AuthenticationMiddleware(None, tokens).verify_token(Headers(scope=scope))
+
+
+class PICTextMiddleware:
+    """Pure ASGI middleware: `vllm_xargs.pic_text_segments` -> token-id prompt and `pic_segments`."""
+
+    def __init__(self, app):
+        self.app = app
+
+    def _engaged(self, scope):
+        """The app state when this request may be a text-level PIC request, else None."""
+        if scope["type"] != "http" or scope.get("method") != "POST":
+            return None
+        if scope["path"].removeprefix(scope.get("root_path", "")) != COMPLETIONS_PATH:
+            return None
+        app = scope.get("app")
+        state = getattr(app, "state", None)
+        vllm_config = getattr(state, "vllm_config", None)
+        if vllm_config is None or not is_pic_model(vllm_config.model_config):
+            return None
+        if not _authorized(scope, state):
+            return None  # vLLM's authentication answers it
+        return state
+
+    async def __call__(self, scope, receive, send):
+        state = self._engaged(scope)
+        if state is None:
+            return await self.app(scope, receive, send)
+        chunks, more = [], True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # client went away
+                return await self.app(scope, _replay(b"".join(chunks), receive, message), send)
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        if _MARKER in body:
+            try:
+                data = json.loads(body)
+            except ValueError:
+                data = None  # vLLM answers malformed JSON itself
+            try:
+                import anyio
+
+                tokenizer = state.engine_client.renderer.get_tokenizer()
+                new = await anyio.to_thread.run_sync(rewrite_text_request, data, tokenizer)
+            except PICTextError as e:
+                return await _error_response(e)(scope, receive, send)
+            if new is not None:
+                body = json.dumps(new).encode()
+                headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
+                scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
+        return await self.app(scope, _replay(body, receive), send)
+
+
+def _replay(body: bytes, receive, pending=None):
+    """A `receive` that gives `body` once (then `pending`, if any), then defers to the real one."""
+    queue = [{"type": "http.request", "body": body, "more_body": False}]
+    if pending is not None:
+        queue.append(pending)
+
+    async def replay():
+        if queue:
+            return queue.pop(0)
+        return await receive()
+
+    return replay
+
+
+def install_pic_middleware() -> None:
+    """Add `PICTextMiddleware` to every API server app vLLM builds in this process, innermost. Idempotent.
+
+    Only acts in a process that has imported vLLM's API-server app module
+    (`vllm serve` has by the time plugins load); elsewhere (engine core,
+    workers, offline `LLM`) it does nothing and imports nothing.
+    """
+    app_module = sys.modules.get("vllm.entrypoints.launchers.app")
+    if app_module is None:
+        return
+    original = app_module.init_entrypoints_middleware
+    if getattr(original, _HOOK_FLAG, False):
+        return
+
+    def init_entrypoints_middleware(args, app, supported_tasks):
+        if "generate" in supported_tasks:
+            # Added before vLLM's own middleware, so it is the innermost: after authentication.
+            app.add_middleware(PICTextMiddleware)
+        return original(args, app, supported_tasks)
+
+    init_entrypoints_middleware.__wrapped__ = original
+    setattr(init_entrypoints_middleware, _HOOK_FLAG, True)
+    app_module.init_entrypoints_middleware = init_entrypoints_middleware
