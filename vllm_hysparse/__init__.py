@@ -42,13 +42,14 @@ def register() -> None:
 
     from vllm_hysparse.compat import install_prompt_logprobs_guard
     from vllm_hysparse.metrics import register_collector
-    from vllm_hysparse.models.config_hooks import HySparse2ConfigUpdater
+    from vllm_hysparse.models.config_hooks import HySparse2ConfigUpdater, HySparseConfigUpdater
 
     register_transformers()
     ModelRegistry.register_model("HySparseForCausalLM", "vllm_hysparse.models.hysparse:HySparseForCausalLM")
     ModelRegistry.register_model("HySparse2ForCausalLM", "vllm_hysparse.models.hysparse2:HySparse2ForCausalLM")
     if "HYSPARSE" not in AttentionBackendEnum.__members__:
         register_backend("HYSPARSE", "vllm_hysparse.attention.backend.HySparseAttentionBackend")
+    MODELS_CONFIG_MAP.setdefault("HySparseForCausalLM", HySparseConfigUpdater)
     MODELS_CONFIG_MAP.setdefault("HySparse2ForCausalLM", HySparse2ConfigUpdater)
     install_prompt_logprobs_guard()
     from vllm_hysparse.pic.frontend import install_pic_frontend

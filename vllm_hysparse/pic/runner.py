@@ -42,6 +42,7 @@ class RequestPIC:
     layout: PICLayout
     keys: dict[int, tuple[str, tuple[int, ...]]]  # middle segment index -> (store key, token ids)
     pool: str = "public"
+    seen: set[int] = field(default_factory=set)  # segments already counted as hit or cold
 
 
 @dataclass
@@ -161,12 +162,13 @@ class PICEngine:
                     entry = self.store.lookup(info.pool, key, ids, rid)
                     if entry is None:
                         cold[key] = (ids, info.pool, [])
-                        stats["segments_cold"] += 1
                     else:
                         entries[key] = entry
-                        stats["segments_hit"] += 1
                 elif key in entries:
                     self.store.lookup(info.pool, key, ids, rid)  # pin for this request too
+                if seg not in info.seen:  # once per request, though chunks may splice it in several steps
+                    info.seen.add(seg)
+                    stats["segments_cold" if key in cold else "segments_hit"] += 1
                 if key in cold:
                     cold[key][2].append(rid)
                 rows = np.arange(lo, hi) - start + qsl[i]
@@ -195,7 +197,8 @@ class PICEngine:
     # ---- execution ---------------------------------------------------------------------------------
     def forward(self, runner, plan: StepPlan, input_ids, positions, inputs_embeds, model_kwargs):
         if plan.cold:
-            self._isolated_pass(runner, plan)
+            # The compiled model runs without guards: its inputs keep the dtypes it was traced with.
+            self._isolated_pass(runner, plan, input_ids.dtype, positions.dtype)
         self._splice(plan, positions)
         rows = torch.from_numpy(np.flatnonzero(plan.recompute)).to(positions.device)
         hidden = self._recompute_pass(runner, plan, rows, input_ids, positions, inputs_embeds, model_kwargs)
@@ -241,6 +244,9 @@ class PICEngine:
                 v_end.append(run[-1] + 1)
         context = get_forward_context()
         n = int(keep.sum())
+        if n == 0:  # every row of this step is spliced: no layer runs at all
+            return positions.new_zeros((positions.shape[0], runner.model_config.get_hidden_size()),
+                                       dtype=runner.model_config.dtype)
         lens = np.array(v_end) - np.array(v_start)
         v_qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
         seq_lens = np.array([pos_np[e - 1] + 1 for e in v_end], dtype=np.int32)
@@ -249,6 +255,8 @@ class PICEngine:
         new_index[np.flatnonzero(keep)] = np.arange(n)
         logits = new_index[qsl[1:] - 1]
         logits = logits[logits >= 0]
+        if len(logits) == 0:  # every request's last row is spliced; the cross-decoder still needs one row
+            logits = np.array([n - 1])
         metadata, slots = self._metadata(runner, context, v_req, v_qsl, seq_lens, rows, positions[rows], logits,
                                          block_tables=None)
         sub = replace(context, attn_metadata=metadata, slot_mapping=slots)
@@ -309,7 +317,7 @@ class PICEngine:
             out[id(cache)] = scratch
         return out
 
-    def _isolated_pass(self, runner, plan: StepPlan) -> None:
+    def _isolated_pass(self, runner, plan: StepPlan, ids_dtype: torch.dtype, pos_dtype: torch.dtype) -> None:
         context = get_forward_context()
         budget = runner.scheduler_config.max_num_batched_tokens
         groups = runner.kv_cache_config.kv_cache_groups
@@ -348,7 +356,7 @@ class PICEngine:
                 layer.kv_cache = scratch[id(cache)]
         try:
             for pieces in passes:
-                self._run_isolated(runner, context, plan, pieces, base, block, captured)
+                self._run_isolated(runner, context, plan, pieces, base, block, captured, ids_dtype, pos_dtype)
         finally:
             for layer, cache in swapped.items():
                 layer.kv_cache = cache
@@ -360,11 +368,11 @@ class PICEngine:
                 self.store.lookup(pool, key, ids, rid)
             plan.entries[key] = entry
 
-    def _run_isolated(self, runner, context, plan, pieces, base, block, captured) -> None:
+    def _run_isolated(self, runner, context, plan, pieces, base, block, captured, ids_dtype, pos_dtype) -> None:
         device = runner.device
         pos = np.concatenate([np.arange(lo, hi) for _, lo, hi in pieces])
         ids = torch.as_tensor(np.concatenate([np.asarray(plan.cold[k][0][lo:hi]) for k, lo, hi in pieces]),
-                              dtype=torch.long, device=device)
+                              dtype=ids_dtype, device=device)
         lens = np.array([hi - lo for _, lo, hi in pieces])
         v_qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
         seq_lens = np.array([hi for _, _, hi in pieces], dtype=np.int32)
@@ -375,7 +383,7 @@ class PICEngine:
         slot_np = np.concatenate([(base[k] + np.arange(lo, hi) // block) * block + np.arange(lo, hi) % block
                                   for k, lo, hi in pieces])
         slot = torch.as_tensor(slot_np, dtype=torch.int64, device=device)
-        positions = torch.as_tensor(pos, dtype=torch.long, device=device)
+        positions = torch.as_tensor(pos, dtype=pos_dtype, device=device)
         tables = {gid: (table.to(device), slot) for gid in range(len(runner.kv_cache_config.kv_cache_groups))}
         logits = v_qsl[1:] - 1
         metadata, slots = self._metadata(runner, context, list(range(len(pieces))), v_qsl, seq_lens, None,
