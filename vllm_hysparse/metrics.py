@@ -24,6 +24,10 @@ import torch
 # Not VLLM_-prefixed: vLLM warns about every VLLM_* variable it does not know.
 METRICS_DIR_ENV = "HYSPARSE_METRICS_DIR"
 FIELDS = ("queries", "pages", "dense_pages")
+# PIC counters and store gauges, set on the host by the worker's PIC engine (`vllm_hysparse.pic.runner`).
+PIC_COUNTERS = ("segments_hit", "segments_cold", "tokens_reused", "tokens_recomputed")
+PIC_POOL_FIELDS = ("bytes", "entries", "evictions")
+PIC_POOLS = ("public", "private")
 _PUBLISH_INTERVAL_S = 0.2
 
 
@@ -70,6 +74,7 @@ class PagesPerQueryStats:
 
     def __init__(self):
         self._totals: torch.Tensor | None = None  # [len(FIELDS)] int64 on the kernels' device
+        self._pic: dict[str, int] = {}  # host values: PIC counters and store state
         self._lock = threading.Lock()
         self._dirty = False
         self.enabled = metrics_enabled()
@@ -91,11 +96,20 @@ class PagesPerQueryStats:
         self._totals.add_(step)
         self._dirty = True
 
+    def set_pic(self, values: dict[str, int]) -> None:
+        """The PIC engine's current counters and store statistics (host ints, once per PIC step)."""
+        if not self.enabled:
+            return
+        with self._lock:
+            self._pic = dict(values)
+        self._dirty = True
+
     def totals(self) -> dict[str, int]:
         """The counters on the host (waits for the device: call off the hot path)."""
         with self._lock:
             values = [0] * len(FIELDS) if self._totals is None else self._totals.tolist()
-        return dict(zip(FIELDS, values))
+            pic = {f"pic_{k}": int(v) for k, v in self._pic.items()}
+        return {**dict(zip(FIELDS, values)), **pic}
 
     def publish(self) -> None:
         if self._path is None:
@@ -126,14 +140,20 @@ def worker_stats() -> PagesPerQueryStats:
     return _STATS
 
 
+def pic_fields() -> list[str]:
+    pools = [f"{pool}_{f}" for pool in PIC_POOLS for f in PIC_POOL_FIELDS]
+    return [f"pic_{k}" for k in (*PIC_COUNTERS, *pools, "in_use")]
+
+
 def read_totals(directory: str | os.PathLike) -> dict[str, int]:
-    totals = dict.fromkeys(FIELDS, 0)
+    """Sum of every worker's published values (under TP each rank stores its own shard of the segments)."""
+    totals = dict.fromkeys((*FIELDS, *pic_fields()), 0)
     for path in Path(directory).glob("worker-*.json"):
         try:
             data = json.loads(path.read_text())
         except (OSError, ValueError):
             continue  # being replaced right now; the next scrape sees it
-        for key in FIELDS:
+        for key in totals:
             totals[key] += int(data.get(key, 0))
     return totals
 
@@ -157,6 +177,36 @@ class _Collector:
         mean = t["pages"] / t["queries"] if t["queries"] else 0.0
         yield GaugeMetricFamily("vllm:hysparse_pages_per_query", "Mean distinct KV pages touched per sparse "
                                 "query and KV group since start.", value=mean)
+        yield from _pic_metrics(t)
+
+
+_PIC_HELP = {
+    "segments_hit": "PIC segments served from the segment store.",
+    "segments_cold": "PIC segments computed in isolation and stored (first seen, or evicted).",
+    "tokens_reused": "PIC prompt tokens spliced from stored K/V: no layer ran on them.",
+    "tokens_recomputed": "PIC prompt tokens run through the layers (prefix, seams, query).",
+}
+
+
+def _pic_metrics(t: dict[str, int]):
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    for name, text in _PIC_HELP.items():
+        yield CounterMetricFamily(f"vllm:hysparse_pic_{name}", text, value=t[f"pic_{name}"])
+    families = {
+        "bytes": GaugeMetricFamily("vllm:hysparse_pic_store_bytes", "Bytes of K/V held by the PIC segment store.",
+                                   labels=["pool"]),
+        "entries": GaugeMetricFamily("vllm:hysparse_pic_store_entries", "Segments held by the PIC segment store.",
+                                     labels=["pool"]),
+        "evictions": CounterMetricFamily("vllm:hysparse_pic_evictions", "PIC segments evicted (LRU, over budget).",
+                                         labels=["pool"]),
+    }
+    for pool in PIC_POOLS:
+        for field, family in families.items():
+            family.add_metric([pool], t[f"pic_{pool}_{field}"])
+    yield from families.values()
+    yield GaugeMetricFamily("vllm:hysparse_pic_in_use", "PIC segments pinned by running requests.",
+                            value=t["pic_in_use"])
 
 
 _REGISTER_LOCK = threading.Lock()

@@ -13,13 +13,15 @@ For HySparse / HySparse2 models it
 * refuses `prompt_logprobs` for PIC requests (interior rows have no logits);
 * sets the engine request's `cache_salt` to a combination of the user's salt
   and the layout's salt, so blocks holding spliced K/V are never served to a
-  plain request (or to a PIC request with another layout) with the same tokens.
+  plain request (or to a PIC request with another layout) with the same tokens;
+* hands a user `cache_salt` to the worker as `extra_args["pic_pool_salt"]`, so
+  that request's segments live in the store's private pool under that salt.
 
 Plain requests and other models pass through untouched.
 """
 
 from vllm_hysparse.pic.client import TEXT_SEGMENTS_FIELD
-from vllm_hysparse.pic.layout import SEAM_FIELD, SEGMENTS_FIELD, PICError, PICLayout, parse_layout
+from vllm_hysparse.pic.layout import POOL_SALT_FIELD, SEAM_FIELD, SEGMENTS_FIELD, PICError, PICLayout, parse_layout
 
 PIC_MODEL_TYPES = ("hysparse", "hysparse2")
 _HOOK_FLAG = "_hysparse_pic_frontend"
@@ -71,6 +73,12 @@ def check_pic_request(request) -> PICLayout | None:
             "prompt_logprobs are not available for PIC requests (pic_segments): spliced and interior "
             "prompt rows are never run through the model, so they have no logits",
             parameter="prompt_logprobs", value=params.prompt_logprobs)
+    # Segments of a request with its own salt go to the store's private pool, keyed with the salt; the
+    # worker sees only extra_args, so the salt rides there (a client-sent value is never trusted).
+    extra_args = {k: v for k, v in extra_args.items() if k != POOL_SALT_FIELD}
+    if request.cache_salt:
+        extra_args[POOL_SALT_FIELD] = request.cache_salt
+    params.extra_args = extra_args
     request.cache_salt = pic_cache_salt(layout, request.cache_salt)
     return layout
 

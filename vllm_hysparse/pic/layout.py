@@ -14,6 +14,8 @@ from itertools import accumulate
 SEGMENTS_FIELD = "pic_segments"
 SEAM_FIELD = "pic_seam_tokens"
 DEFAULT_SEAM = 8
+# Set by the frontend from the request's `cache_salt`: its segments go to the store's private pool under it.
+POOL_SALT_FIELD = "pic_pool_salt"
 
 
 class PICError(ValueError):

@@ -30,8 +30,9 @@ from vllm.forward_context import get_forward_context, override_forward_context
 from vllm.logger import init_logger
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
-from vllm_hysparse.pic.layout import PICError, PICLayout, parse_layout
+from vllm_hysparse.pic.layout import POOL_SALT_FIELD, PICError, PICLayout, parse_layout
 from vllm_hysparse.pic.rotation import rotate_by
+from vllm_hysparse.metrics import worker_stats
 from vllm_hysparse.pic.store import SegmentStore, model_fingerprint, segment_key
 
 logger = init_logger("vllm.hysparse")
@@ -94,6 +95,7 @@ class PICEngine:
         self.fingerprint = ""
         self.kv_layers: dict[str, object] = {}  # KV-owning attention layers by name
         self.ropes: dict[str, object] = {}
+        self.windows: dict[str, int | None] = {}  # sliding-window layers: their window
         self._scratch: dict[int, torch.Tensor] = {}
 
     # ---- setup -------------------------------------------------------------------------------------
@@ -108,6 +110,7 @@ class PICEngine:
                 self.tap.install(layer, name)
                 parent = model.get_submodule(name.rsplit(".", 1)[0])
                 self.ropes[name] = getattr(parent, "rotary_emb", None)
+                self.windows[name] = getattr(layer, "sliding_window", None)
         self.fingerprint = model_fingerprint(model, runner.model_config.hf_config, runner.model_config.dtype)
         self._ready = True
 
@@ -115,6 +118,11 @@ class PICEngine:
         for rid in req_ids:
             self.active.pop(rid, None)
             self.store.release(rid)
+        self.publish()
+
+    def publish(self) -> None:
+        """Counters and store state to `/metrics` (host ints; the publisher thread writes them)."""
+        worker_stats().set_pic({**self.counters, **self.store.stats()})
 
     def admit(self, runner, rid: str, params, prompt_token_ids) -> None:
         """A request entering the batch (new, or resumed after preemption): keep its layout if it has one."""
@@ -128,7 +136,7 @@ class PICEngine:
         if layout is None:
             return
         self._setup(runner)
-        salt = (params.extra_args or {}).get("pic_pool_salt")
+        salt = (params.extra_args or {}).get(POOL_SALT_FIELD)
         keys = {}
         for i, a, n in layout.middle():
             ids = tuple(prompt_token_ids[a:a + n])
@@ -193,6 +201,7 @@ class PICEngine:
     def _count(self, stats: dict) -> None:
         for k, v in stats.items():
             self.counters[k] += v
+        self.publish()
 
     # ---- execution ---------------------------------------------------------------------------------
     def forward(self, runner, plan: StepPlan, input_ids, positions, inputs_embeds, model_kwargs):
@@ -217,13 +226,21 @@ class PICEngine:
         starts = torch.from_numpy(np.concatenate([np.full(len(s.rows), s.start) for s in plan.splices]))
         starts = starts.to(positions.device, positions.dtype)
         for name, layer in self.kv_layers.items():
-            parts = [(plan.entries[s.key].kv[name], torch.from_numpy(s.offsets)) for s in plan.splices]
-            k = torch.cat([kv[0][off] for kv, off in parts])
-            v = torch.cat([kv[1][off] for kv, off in parts])
+            ks, vs, take = [], [], []
+            for s in plan.splices:
+                k, v, first = plan.entries[s.key].kv[name]
+                keep = s.offsets >= first  # a windowed layer stores (and splices) only a segment's tail
+                ks.append(k[torch.from_numpy(s.offsets[keep] - first)])
+                vs.append(v[torch.from_numpy(s.offsets[keep] - first)])
+                take.append(keep)
+            take = torch.from_numpy(np.concatenate(take)).to(rows.device)
+            k, v = torch.cat(ks), torch.cat(vs)
+            if k.shape[0] == 0:
+                continue
             rope = self.ropes[name]
             if rope is not None:
-                k = rotate_by(rope, k.reshape(k.shape[0], -1), starts).view(k.shape)
-            slots = context.slot_mapping[name][rows]
+                k = rotate_by(rope, k.reshape(k.shape[0], -1), starts[take]).view(k.shape)
+            slots = context.slot_mapping[name][rows[take]]
             layer.impl.pic_original_kv_update(layer, k, v, layer.kv_cache, slots)
 
     def _recompute_pass(self, runner, plan, rows, input_ids, positions, inputs_embeds, model_kwargs):
@@ -361,12 +378,24 @@ class PICEngine:
             for layer, cache in swapped.items():
                 layer.kv_cache = cache
         for key, (ids, pool, rids) in segments:
-            kv = {name: (torch.cat([k for k, _ in parts]), torch.cat([v for _, v in parts]))
+            kv = {name: self._stored_rows(name, torch.cat([k for k, _ in parts]), torch.cat([v for _, v in parts]))
                   for name, parts in captured[key].items()}
             entry = self.store.insert(pool, key, ids, kv, rids[0])
             for rid in rids[1:]:
                 self.store.lookup(pool, key, ids, rid)
             plan.entries[key] = entry
+
+    def _stored_rows(self, name: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(K, V, first offset) a layer keeps of a segment.
+
+        A sliding-window layer keeps the last `window - 1` rows only: the
+        rows after the segment's seam are spliced, never recomputed, so the
+        only rows that read this layer's K/V of the segment are later ones
+        (next seams, the query), and their windows reach no further back.
+        """
+        window = self.windows[name]
+        first = 0 if window is None else max(0, k.shape[0] - (window - 1))
+        return k[first:].clone(), v[first:].clone(), first
 
     def _run_isolated(self, runner, context, plan, pieces, base, block, captured, ids_dtype, pos_dtype) -> None:
         device = runner.device

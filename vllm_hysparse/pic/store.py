@@ -5,6 +5,8 @@ An entry holds, for every KV-owning attention layer of the model, the K
 (post-RoPE at the segment's local positions 0..len-1) and V that the layer
 wrote when the segment was computed in isolation (SPEC §4): HySparse full
 layers and SWA branches; HySparse2 self-decoder layers and bridged caches.
+Sliding-window layers keep only the segment's last `window - 1` rows, the
+only ones later rows can read.
 
 Two pools, each with its own byte budget and LRU order: `public` for
 segments any request may reuse, `private` for segments of requests that
@@ -60,7 +62,7 @@ def model_fingerprint(model: torch.nn.Module, config, dtype: torch.dtype) -> str
 class Entry:
     key: str
     token_ids: tuple[int, ...]
-    kv: dict[str, tuple[torch.Tensor, torch.Tensor]]  # layer name -> (K, V), each [len, G, D]
+    kv: dict[str, tuple[torch.Tensor, torch.Tensor, int]]  # layer -> (K, V [rows, G, D], offset of the first row)
     nbytes: int
     pins: set[str] = field(default_factory=set)  # request ids using it
 
@@ -117,7 +119,7 @@ class SegmentStore:
         return entry
 
     def insert(self, pool: str, key: str, token_ids, kv: dict, req_id: str) -> Entry:
-        nbytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv.values())
+        nbytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v, _ in kv.values())
         entry = Entry(key, tuple(token_ids), kv, nbytes)
         self._pin(pool, entry, req_id)
         self.pools[pool].put(entry)
