@@ -317,3 +317,42 @@ def test_http_plain_requests_are_untouched(client, model_name):
     res = client.completions.create(model=model_name, prompt="def f(x):", max_tokens=3, temperature=0,
                                     extra_body={"vllm_xargs": {"unrelated": 1}})
     assert res.usage.completion_tokens == 3
+
+
+def _scrape(base_url: str) -> dict[str, float]:
+    text = requests.get(base_url.removesuffix("/v1") + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"},
+                        timeout=30).text
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:hysparse_pic_"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def test_http_pic_metrics_count_reuse(client, model_name, base_url):
+    import time
+
+    prompt = _prompt(9)
+    seam = 4
+    layout = {"pic_segments": LAYOUT, "pic_seam_tokens": seam}
+    before = _scrape(base_url)
+    _complete(client, model_name, prompt, layout, max_tokens=1)
+    # A different query length after the same documents: no prefix-cache hit, every document a store hit.
+    _complete(client, model_name, prompt[:-1], {"pic_segments": [*LAYOUT[:-1], LAYOUT[-1] - 1],
+                                                 "pic_seam_tokens": seam}, max_tokens=1)
+    spliced = 2 * sum(max(0, n - seam) for n in LAYOUT[1:-1])
+    reused = sum(n > seam for n in LAYOUT[1:-1])  # a segment within its seam is recomputed, never stored
+    deadline = time.time() + 10  # the worker publishes within 0.2 s
+    while time.time() < deadline:
+        after = _scrape(base_url)
+        if after.get("vllm:hysparse_pic_tokens_reused_total", 0) - before.get(
+                "vllm:hysparse_pic_tokens_reused_total", 0) >= spliced:
+            break
+        time.sleep(0.2)
+    gained = {k: after[k] - before.get(k, 0) for k in after}
+    assert gained["vllm:hysparse_pic_tokens_reused_total"] == spliced
+    assert gained["vllm:hysparse_pic_segments_hit_total"] == reused
+    assert gained["vllm:hysparse_pic_segments_cold_total"] == reused
+    assert after['vllm:hysparse_pic_store_bytes{pool="public"}'] > 0
+    assert after["vllm:hysparse_pic_in_use"] == 0
