@@ -38,10 +38,18 @@ def pic_cache_salt(layout: PICLayout, user_salt: str | None) -> str:
     return layout.salt() if not user_salt else f"{layout.salt()}|salt={user_salt}"
 
 
-def check_pic_request(request) -> PICLayout | None:
+def pic_executes(vllm_config) -> bool:
+    """True when the engine's workers run PIC (our worker, selected by the config hook unless overridden)."""
+    from vllm_hysparse.models.config_hooks import PIC_WORKERS
+
+    return vllm_config.parallel_config.worker_cls in PIC_WORKERS.values()
+
+
+def check_pic_request(request, executes: bool = True) -> PICLayout | None:
     """Validate a processed `EngineCoreRequest`; salt it if it is a PIC request. Returns its layout or None.
 
-    Raises `VLLMValidationError` naming the offending field.
+    `executes` says whether the engine's workers run PIC; if not, PIC requests are refused instead
+    of being served as plain ones. Raises `VLLMValidationError` naming the offending field.
     """
     from vllm.exceptions import VLLMValidationError
 
@@ -68,6 +76,11 @@ def check_pic_request(request) -> PICLayout | None:
         raise VLLMValidationError(str(e), parameter=e.field, value=extra_args.get(e.field)) from None
     if layout is None:
         return None
+    if not executes:
+        raise VLLMValidationError(
+            f"{SEGMENTS_FIELD}: this engine's workers do not run PIC (a custom --worker-cls, or vLLM's V2 "
+            "model runner); PIC needs the plugin's worker, which is chosen by default", parameter=SEGMENTS_FIELD,
+            value=extra_args.get(SEGMENTS_FIELD))
     if params.prompt_logprobs is not None:
         raise VLLMValidationError(
             "prompt_logprobs are not available for PIC requests (pic_segments): spliced and interior "
@@ -95,9 +108,9 @@ def install_pic_frontend() -> None:
         request = original(self, *args, **kwargs)
         pic = self.__dict__.get("_hysparse_pic")
         if pic is None:
-            pic = self.__dict__["_hysparse_pic"] = is_pic_model(self.model_config)
-        if pic:
-            check_pic_request(request)
+            pic = self.__dict__["_hysparse_pic"] = (is_pic_model(self.model_config), pic_executes(self.vllm_config))
+        if pic[0]:
+            check_pic_request(request, pic[1])
         return request
 
     process_inputs.__wrapped__ = original
