@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Ask a running `vllm serve` for a completion and a streamed chat reply, then show our metrics.
+"""Ask a running `vllm serve` for a completion, a streamed chat reply and two PIC requests, then show our metrics.
 
     python -m vllm_hysparse.tools.demo_client --base-url http://127.0.0.1:8000/v1
 """
@@ -34,6 +34,20 @@ def hysparse_metrics(base_url: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("vllm:hysparse_")]
 
 
+def pic_demo(client: OpenAI, model: str) -> None:
+    """Two RAG-shaped PIC requests with the documents in swapped order: the second splices both."""
+    from vllm_hysparse.pic.client import pic_text_extra_body
+
+    system = "You answer questions from the documents below.\n"
+    docs = ["Document: the Rhine flows north through Basel, Strasbourg and Cologne.\n" * 4,
+            "Document: the Danube flows east through Vienna, Budapest and Belgrade.\n" * 4]
+    for order in (docs, docs[::-1]):
+        texts = [system, *order, "Question: which river flows through Vienna?\nAnswer:"]
+        out = client.completions.create(model=model, prompt="", max_tokens=8, temperature=0,
+                                        extra_body=pic_text_extra_body(texts, seam=8))
+        print(f"[pic] {len(texts) - 2} documents, seam 8 -> {out.choices[0].text!r}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
@@ -57,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         if chunk.choices and chunk.choices[0].delta.content:
             print(chunk.choices[0].delta.content, end="", flush=True)
     print()
+    pic_demo(client, model)
     for line in hysparse_metrics(args.base_url):
         print(f"[metrics] {line}")
     print("(random demo weights: the text is not meant to make sense)")
