@@ -96,7 +96,7 @@ class PICEngine:
         self.kv_layers: dict[str, object] = {}  # KV-owning attention layers by name
         self.ropes: dict[str, object] = {}
         self.windows: dict[str, int | None] = {}  # sliding-window layers: their window
-        self._scratch: dict[int, torch.Tensor] = {}
+        self._scratch: dict[str, torch.Tensor] = {}  # KV-owning layer name -> its isolated pass's cache
 
     # ---- setup -------------------------------------------------------------------------------------
     def _setup(self, runner) -> None:
@@ -322,17 +322,18 @@ class PICEngine:
         return metadata, slot_by_layer
 
     # ---- isolated pass ------------------------------------------------------------------------------
-    def _scratch_caches(self, runner, pages: int) -> dict[int, torch.Tensor]:
-        """One scratch cache per distinct KV tensor, `pages` manager blocks (+ block 0 as the null block)."""
-        out = {}
-        for layer in self.kv_layers.values():
-            cache = layer.kv_cache
-            scratch = self._scratch.get(id(cache))
+    def _scratch_caches(self, pages: int) -> dict[str, torch.Tensor]:
+        """One scratch cache of `pages` kernel pages (page 0: the null block) per KV-owning layer.
+
+        Per layer, not per vLLM tensor: vLLM may back layers of different KV cache groups with one
+        tensor, which their disjoint block ids keep apart; the isolated pass gives every group the
+        same scratch block ids, so each layer needs its own.
+        """
+        for name, layer in self.kv_layers.items():
+            scratch = self._scratch.get(name)
             if scratch is None or scratch.shape[0] < pages:
-                scratch = cache.new_zeros((pages, *cache.shape[1:]))
-                self._scratch[id(cache)] = scratch
-            out[id(cache)] = scratch
-        return out
+                self._scratch[name] = layer.kv_cache.new_zeros((pages, *layer.kv_cache.shape[1:]))
+        return self._scratch
 
     def _isolated_pass(self, runner, plan: StepPlan, ids_dtype: torch.dtype, pos_dtype: torch.dtype) -> None:
         context = get_forward_context()
@@ -349,7 +350,7 @@ class PICEngine:
         for key, (ids, _, _) in segments:
             base[key] = first_block
             first_block += -(-len(ids) // block)
-        scratch = self._scratch_caches(runner, first_block * per_block)
+        scratch = self._scratch_caches(first_block * per_block)
         # Pieces (segment, lo, hi) packed into passes of at most `budget` rows; one segment's pieces stay in order.
         passes, current, room = [], [], budget
         for key, (ids, _, _) in segments:
@@ -366,11 +367,11 @@ class PICEngine:
             passes.append(current)
         captured = {key: {} for key, _ in segments}
         swapped = {}
-        for layer in context.no_compile_layers.values():
-            cache = getattr(layer, "kv_cache", None)
-            if isinstance(cache, torch.Tensor) and id(cache) in scratch:
-                swapped[layer] = cache
-                layer.kv_cache = scratch[id(cache)]
+        for name, layer in context.no_compile_layers.items():
+            owner = name if name in scratch else getattr(layer, "kv_sharing_target_layer_name", None)
+            if owner in scratch:  # KV-sharing layers read their target's scratch
+                swapped[layer] = layer.kv_cache
+                layer.kv_cache = scratch[owner]
         try:
             for pieces in passes:
                 self._run_isolated(runner, context, plan, pieces, base, block, captured, ids_dtype, pos_dtype)
