@@ -1,0 +1,758 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Load test of `vllm serve` on the tiny HySparse and HySparse2 checkpoints, PIC requests mixed in.
+
+    python benchmarks/load_test.py                     # 256 clients, every prompt distinct, both archs
+    python benchmarks/load_test.py --clients 256 --distinct 64 --output-lens 2 8 --out-dir /tmp/x   # CI size
+
+Per architecture, one server at a time (`vllm serve <tiny checkpoint> --dtype float32`):
+
+1. **warm-up**: a burst of `--warmup-clients` concurrent streaming requests on other prompts (not checked);
+2. **alone**: every distinct prompt is served one request at a time (non-streaming, greedy, `ignore_eos`,
+   `cache_salt` "alone" so the load never hits these blocks or PIC segments), with the longest output
+   any client asks of it: the reference answer;
+3. **load**: `--clients` streaming clients start at once (async `openai` client, `max_retries=0`, a bounded
+   timeout); a `--pic-fraction` share send PIC requests (`vllm_xargs.pic_segments`) whose documents come
+   from a small pool, in new orders; a `--disconnect-fraction` share close their stream after a random
+   number of chunks. Prompts are token ids of mixed lengths, outputs of mixed lengths;
+4. **drain**: `vllm:kv_cache_usage_perc` and `vllm:hysparse_pic_in_use` on /metrics must return to 0
+   (bounded wait).
+
+A background thread polls `/health` and the server's resident memory (psutil, the server process and its
+children) every `--poll-s` throughout. Pass criteria, per architecture: no request fails; every completed
+request returns exactly the alone answer's first `max_tokens` tokens (greedy continuations do not depend
+on `max_tokens`), and every disconnected one a prefix of it; `/health` answers 200 at every poll; KV usage
+and PIC segments in use return to 0; RSS stays within `--rss-tolerance` of its value after warm-up.
+Writes `benchmarks/results/load/load_<date>_<HHMM>[_<tag>].{json,md,png}` (TTFT / TPOT p50 and p99,
+throughput, memory, every criterion) and exits 1 when a criterion fails.
+"""
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import json
+import math
+import os
+import random
+import re
+import shlex
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH_DIR))
+from serve_bench import VLLM, error_excerpt, free_port, machine_info, running_server, serve_env  # noqa: E402
+
+RESULTS_DIR = BENCH_DIR / "results" / "load"
+ARCHS = ("hysparse", "hysparse2")
+LABELS = {"hysparse": "HySparse tiny", "hysparse2": "HySparse2 tiny"}
+SEEDS = {"hysparse": 41, "hysparse2": 42}
+VOCAB_LOW, VOCAB_HIGH = 16, 8192  # skip the special tokens at the start of the tiny vocabulary
+MAX_MODEL_LEN = 1024
+ALONE_SALT = "alone"
+
+
+# ---------------------------------------------------------------- requests
+
+@dataclass
+class Spec:
+    """One distinct prompt: token ids and, for PIC, its segment lengths and seam."""
+    prompt: list[int]
+    pic_segments: list[int] | None = None
+    pic_seam: int | None = None
+    docs: list[int] | None = None  # PIC: which pool documents, in order
+
+    @property
+    def kind(self) -> str:
+        return "pic" if self.pic_segments else "plain"
+
+    def xargs(self) -> dict:
+        if not self.pic_segments:
+            return {}
+        return {"vllm_xargs": {"pic_segments": self.pic_segments, "pic_seam_tokens": self.pic_seam}}
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(n)]
+
+
+def _log_uniform(rng: random.Random, lo: int, hi: int) -> int:
+    return int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
+
+
+class DocPool:
+    """A few system prefixes and documents that PIC requests share, in new orders."""
+
+    def __init__(self, rng: random.Random, n_prefixes: int = 3, n_docs: int = 8, doc_lens=(24, 200)):
+        self.prefixes = [_tokens(rng, rng.choice((8, 16, 24))) for _ in range(n_prefixes)]
+        self.docs = [_tokens(rng, rng.randint(*doc_lens)) for _ in range(n_docs)]
+
+    def spec(self, rng: random.Random, seams=(4, 8, 16), max_docs: int = 4) -> Spec:
+        prefix = rng.choice(self.prefixes)
+        order = rng.sample(range(len(self.docs)), rng.randint(1, max_docs))
+        query = _tokens(rng, rng.randint(4, 32))
+        pieces = [prefix, *(self.docs[i] for i in order), query]
+        return Spec([t for p in pieces for t in p], [len(p) for p in pieces], rng.choice(seams), order)
+
+
+def make_specs(rng: random.Random, n: int, pic_fraction: float, prompt_lens: tuple[int, int], pool: DocPool
+               ) -> list[Spec]:
+    """`n` distinct prompts: a `pic_fraction` share PIC, the rest plain with log-uniform lengths."""
+    n_pic = round(n * pic_fraction)
+    specs = [pool.spec(rng) for _ in range(n_pic)]
+    specs += [Spec(_tokens(rng, _log_uniform(rng, *prompt_lens))) for _ in range(n - n_pic)]
+    rng.shuffle(specs)
+    return specs
+
+
+@dataclass
+class Job:
+    """One client's request: which spec, how many tokens, whether it disconnects and after how many chunks."""
+    spec: int
+    max_tokens: int
+    disconnect_after: int | None = None  # chunks with tokens, then close the stream
+
+
+def make_jobs(rng: random.Random, specs: list[Spec], clients: int, output_lens: tuple[int, int],
+              disconnect_fraction: float) -> list[Job]:
+    order = [i % len(specs) for i in range(clients)]
+    rng.shuffle(order)
+    n_disc = round(clients * disconnect_fraction)
+    disc = set(rng.sample(range(clients), n_disc))
+    jobs = []
+    for c, s in enumerate(order):
+        out = rng.randint(*output_lens)
+        out = min(out, MAX_MODEL_LEN - len(specs[s].prompt))
+        jobs.append(Job(s, out, rng.randint(1, max(1, out - 1)) if c in disc else None))
+    return jobs
+
+
+# ---------------------------------------------------------------- server side probes
+
+def scrape(root_url: str, timeout: float = 10) -> dict[str, float]:
+    """Every sample on /metrics: `name` (labels dropped, summed) and `name{labels}`."""
+    with urllib.request.urlopen(f"{root_url}/metrics", timeout=timeout) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        key, _, value = line.rpartition(" ")
+        try:
+            v = float(value)
+        except ValueError:
+            continue
+        out[key] = v
+        base = key.split("{", 1)[0]
+        if base != key:
+            out[base] = out.get(base, 0.0) + v
+    return out
+
+
+def tree_rss(pid: int) -> int:
+    """Resident bytes of a process and all its children."""
+    import psutil
+
+    total = 0
+    try:
+        proc = psutil.Process(pid)
+        procs = [proc, *proc.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            total += p.memory_info().rss
+    return total
+
+
+class Monitor:
+    """Background thread: /health status and the server's RSS every `period_s`, tagged with the current phase."""
+
+    def __init__(self, root_url: str, pid: int, period_s: float = 0.5, health_timeout_s: float = 5.0,
+                 max_samples: int = 100_000):
+        self.root_url, self.pid, self.period_s = root_url, pid, period_s
+        self.health_timeout_s, self.max_samples = health_timeout_s, max_samples
+        self.phase = "start"
+        self.samples: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.t0 = time.monotonic()
+
+    def _run(self):
+        while not self._stop.is_set() and len(self.samples) < self.max_samples:
+            t = time.monotonic()
+            status, err = None, None
+            try:
+                with urllib.request.urlopen(f"{self.root_url}/health", timeout=self.health_timeout_s) as r:
+                    status = r.status
+            except Exception as e:  # noqa: BLE001 - any failure to answer is recorded
+                status = getattr(e, "code", None)
+                err = f"{type(e).__name__}: {e}"
+            latency = time.monotonic() - t
+            self.samples.append({"t": t - self.t0, "phase": self.phase, "health": status, "health_s": latency,
+                                 "error": err, "rss": tree_rss(self.pid)})
+            self._stop.wait(max(0.0, self.period_s - (time.monotonic() - t)))
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(self.health_timeout_s + 10)
+
+    def rss_now(self) -> int:
+        return tree_rss(self.pid)
+
+    def health_summary(self, phases: set[str] | None = None) -> dict:
+        rows = [s for s in self.samples if phases is None or s["phase"] in phases]
+        bad = [s for s in rows if s["health"] != 200]
+        lat = [s["health_s"] for s in rows]
+        return {"polls": len(rows), "not_200": len(bad), "first_bad": bad[:5],
+                "max_latency_s": max(lat) if lat else None,
+                "p99_latency_s": percentile(lat, 99) if lat else None}
+
+
+def probe_request(root_url: str, timeout_s: float = 60) -> None:
+    """One 1-token plain request: makes the engine run a step, which refreshes its scheduler stats."""
+    body = json.dumps({"model": model_id(root_url), "prompt": [17, 18, 19], "max_tokens": 1,
+                       "temperature": 0}).encode()
+    req = urllib.request.Request(f"{root_url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        r.read()
+
+
+def wait_drained(root_url: str, timeout_s: float, poll_s: float = 0.5, probe_every_s: float = 10.0) -> dict:
+    """Poll /metrics until KV usage, running and waiting requests and PIC segments in use are all 0.
+
+    vLLM refreshes its scheduler gauges (KV usage, running, waiting) only when the engine runs a step, so
+    when the last event was an abort they can keep a stale value on an idle engine; after `probe_every_s`
+    without reaching 0 one 1-token request is sent to make a step (counted in `probes`).
+    """
+    keys = ("vllm:kv_cache_usage_perc", "vllm:hysparse_pic_in_use", "vllm:num_requests_running",
+            "vllm:num_requests_waiting")
+    t0 = time.monotonic()
+    last: dict = {}
+    probes, next_probe = 0, t0 + probe_every_s
+    while True:
+        try:
+            m = scrape(root_url)
+            last = {k: m.get(k) for k in keys}
+        except OSError as e:
+            last = {"error": str(e)}
+        if all(last.get(k) == 0 for k in keys):
+            return {"drained": True, "after_s": time.monotonic() - t0, "values": last, "probes": probes}
+        if time.monotonic() - t0 > timeout_s:
+            return {"drained": False, "after_s": time.monotonic() - t0, "values": last, "probes": probes}
+        if time.monotonic() >= next_probe:
+            with contextlib.suppress(OSError):
+                probe_request(root_url)
+            probes += 1
+            next_probe = time.monotonic() + probe_every_s
+        time.sleep(poll_s)
+
+
+# ---------------------------------------------------------------- clients
+
+def percentile(values, q: float):
+    """Linear-interpolated percentile (numpy's default), None for no values."""
+    if not values:
+        return None
+    v = sorted(values)
+    k = (len(v) - 1) * q / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+
+@dataclass
+class Outcome:
+    job: int
+    kind: str
+    max_tokens: int
+    disconnect_after: int | None
+    t_start: float = 0.0
+    t_first: float | None = None
+    t_end: float | None = None
+    tokens: list[int] = field(default_factory=list)
+    chunks: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+    disconnected: bool = False
+
+    @property
+    def ttft(self):
+        return None if self.t_first is None else self.t_first - self.t_start
+
+    @property
+    def tpot(self):
+        if self.t_first is None or self.t_end is None or len(self.tokens) < 2 or self.disconnected:
+            return None
+        return (self.t_end - self.t_first) / (len(self.tokens) - 1)
+
+    @property
+    def e2e(self):
+        return None if self.t_end is None else self.t_end - self.t_start
+
+
+def make_client(root_url: str, timeout_s: float, connections: int):
+    import httpx2
+    import openai
+
+    limits = httpx2.Limits(max_connections=connections + 16, max_keepalive_connections=connections + 16)
+    return openai.AsyncOpenAI(base_url=f"{root_url}/v1", api_key="unused", max_retries=0,
+                              timeout=httpx2.Timeout(timeout_s, connect=30.0), http_client=httpx2.AsyncClient(
+                                  limits=limits, timeout=httpx2.Timeout(timeout_s, connect=30.0)))
+
+
+async def stream_one(client, model: str, spec: Spec, job: Job, idx: int, t0: float, salt: str | None = None
+                     ) -> Outcome:
+    """One streaming request; closes the stream after `job.disconnect_after` chunks with tokens."""
+    out = Outcome(idx, spec.kind, job.max_tokens, job.disconnect_after)
+    body = {"return_token_ids": True, "ignore_eos": True, **spec.xargs()}
+    if salt:
+        body["cache_salt"] = salt
+    out.t_start = time.monotonic() - t0
+    stream = None
+    try:
+        stream = await client.completions.create(model=model, prompt=spec.prompt, max_tokens=job.max_tokens,
+                                                 temperature=0, stream=True, extra_body=body)
+        async for chunk in stream:
+            if not chunk.choices:
+                continue
+            choice = chunk.choices[0]
+            ids = getattr(choice, "token_ids", None) or []
+            if ids:
+                if out.t_first is None:
+                    out.t_first = time.monotonic() - t0
+                out.tokens.extend(ids)
+                out.chunks += 1
+            if choice.finish_reason:
+                out.finish_reason = choice.finish_reason
+            if job.disconnect_after is not None and out.chunks >= job.disconnect_after:
+                out.disconnected = True
+                break
+        out.t_end = time.monotonic() - t0
+    except Exception as e:  # noqa: BLE001 - every failure is a recorded outcome
+        out.error = f"{type(e).__name__}: {e}"[:500]
+        out.t_end = time.monotonic() - t0
+    finally:
+        if stream is not None:
+            with contextlib.suppress(Exception):
+                await stream.close()
+    return out
+
+
+async def run_burst(root_url: str, model: str, specs: list[Spec], jobs: list[Job], timeout_s: float,
+                    overall_s: float, salt: str | None = None) -> tuple[list[Outcome], float]:
+    """All jobs at once, one streaming connection each; (outcomes, wall seconds)."""
+    client = make_client(root_url, timeout_s, len(jobs))
+    t0 = time.monotonic()
+    tasks = [asyncio.create_task(stream_one(client, model, specs[j.spec], j, i, t0, salt))
+             for i, j in enumerate(jobs)]
+    done, pending = await asyncio.wait(tasks, timeout=overall_s)
+    for t in pending:
+        t.cancel()
+    outcomes = []
+    for i, t in enumerate(tasks):
+        if t in done:
+            outcomes.append(t.result())
+        else:
+            o = Outcome(i, specs[jobs[i].spec].kind, jobs[i].max_tokens, jobs[i].disconnect_after,
+                        error=f"not finished within the overall bound of {overall_s:.0f} s")
+            outcomes.append(o)
+    wall = time.monotonic() - t0
+    with contextlib.suppress(Exception):
+        await client.close()
+    return outcomes, wall
+
+
+def alone_answers(root_url: str, model: str, specs: list[Spec], max_tokens: list[int], timeout_s: float,
+                  salt: str = ALONE_SALT) -> list[dict]:
+    """Each spec served alone, one request at a time: token ids and the top-2 logprob margin per position."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{root_url}/v1", api_key="unused", max_retries=0, timeout=timeout_s)
+    answers = []
+    for spec, n in zip(specs, max_tokens):
+        t = time.monotonic()
+        res = client.completions.create(
+            model=model, prompt=spec.prompt, max_tokens=n, temperature=0, logprobs=2,
+            extra_body={"return_token_ids": True, "ignore_eos": True, "return_tokens_as_token_ids": True,
+                        "cache_salt": salt, **spec.xargs()})
+        choice = res.choices[0]
+        margins = []
+        for top in (choice.logprobs.top_logprobs or []):
+            vals = sorted(top.values(), reverse=True) if top else []
+            margins.append(vals[0] - vals[1] if len(vals) > 1 else None)
+        answers.append({"tokens": list(choice.token_ids), "margins": margins, "s": time.monotonic() - t})
+    client.close()
+    return answers
+
+
+def check_outcomes(outcomes: list[Outcome], jobs: list[Job], answers: list[dict]) -> dict:
+    """Failures and mismatches against the alone answers (a mismatch notes the alone top-2 margin there)."""
+    failed, mismatched, short = [], [], []
+    completed = disconnected = prefix_checked = 0
+    for o, j in zip(outcomes, jobs):
+        want = answers[j.spec]["tokens"][:j.max_tokens]
+        if o.error:
+            failed.append({"job": o.job, "kind": o.kind, "error": o.error})
+            continue
+        if o.disconnected:
+            disconnected += 1
+            got, ref = o.tokens, want[:len(o.tokens)]
+            prefix_checked += 1
+        else:
+            completed += 1
+            got, ref = o.tokens, want
+            if len(got) != j.max_tokens or o.finish_reason != "length":
+                short.append({"job": o.job, "kind": o.kind, "got_len": len(got), "max_tokens": j.max_tokens,
+                              "finish_reason": o.finish_reason})
+        if got != ref:
+            pos = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
+            margins = answers[j.spec]["margins"]
+            mismatched.append({"job": o.job, "spec": j.spec, "kind": o.kind, "disconnected": o.disconnected,
+                               "first_diff": pos, "got": got[pos:pos + 4], "alone": ref[pos:pos + 4],
+                               "alone_top2_margin": margins[pos] if pos < len(margins) else None})
+    return {"completed": completed, "disconnected": disconnected, "failed": failed, "mismatched": mismatched,
+            "wrong_length": short, "prefix_checked": prefix_checked}
+
+
+def latency_stats(outcomes: list[Outcome]) -> dict:
+    ok = [o for o in outcomes if not o.error]
+    ttft = [o.ttft for o in ok if o.ttft is not None]
+    tpot = [o.tpot for o in ok if o.tpot is not None]
+    e2e = [o.e2e for o in ok if not o.disconnected and o.e2e is not None]
+    ms = lambda v: None if v is None else v * 1000  # noqa: E731
+    return {"n": len(ok), "ttft_p50_ms": ms(percentile(ttft, 50)), "ttft_p99_ms": ms(percentile(ttft, 99)),
+            "tpot_p50_ms": ms(percentile(tpot, 50)), "tpot_p99_ms": ms(percentile(tpot, 99)),
+            "e2e_p50_ms": ms(percentile(e2e, 50)), "e2e_p99_ms": ms(percentile(e2e, 99)),
+            "ttft_mean_ms": ms(statistics.fmean(ttft)) if ttft else None,
+            "tpot_mean_ms": ms(statistics.fmean(tpot)) if tpot else None}
+
+
+def model_id(root_url: str) -> str:
+    with urllib.request.urlopen(f"{root_url}/v1/models", timeout=10) as r:
+        return json.loads(r.read())["data"][0]["id"]
+
+
+def ensure_tiny(arch: str, directory: Path) -> Path:
+    from vllm_hysparse.tools.make_checkpoint import write_checkpoint
+
+    path = directory / f"{arch}-tiny"
+    if not (path / "config.json").exists():
+        write_checkpoint(path, arch, "tiny", seed=SEEDS[arch], force=True)
+    return path
+
+
+def serve_cmd(ckpt: Path, port: int, args) -> list[str]:
+    cmd = [str(VLLM), "serve", str(ckpt), "--dtype", "float32", "--port", str(port), "--host", "127.0.0.1",
+           "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(args.max_num_seqs),
+           "--disable-uvicorn-access-log"]
+    return cmd + (["--enforce-eager"] if args.enforce_eager else [])
+
+
+def server_log_problems(path: Path) -> list[str]:
+    """Tracebacks and ERROR lines in a server log (first few)."""
+    if not path.exists():
+        return []
+    lines = path.read_text(errors="replace").splitlines()
+    return [ln[:300] for ln in lines if "Traceback" in ln or " ERROR " in ln][:10]
+
+
+# ---------------------------------------------------------------- one architecture
+
+def run_arch(arch: str, args, work: Path, logs: Path) -> dict:
+    rng = random.Random(args.seed * 1000 + SEEDS[arch])
+    pool = DocPool(rng)
+    specs = make_specs(rng, args.distinct or args.clients, args.pic_fraction, tuple(args.prompt_lens), pool)
+    jobs = make_jobs(rng, specs, args.clients, tuple(args.output_lens), args.disconnect_fraction)
+    warm_specs = make_specs(rng, min(args.warmup_clients, 64), args.pic_fraction, tuple(args.prompt_lens), pool)
+    warm_jobs = make_jobs(rng, warm_specs, args.warmup_clients, tuple(args.output_lens), args.disconnect_fraction)
+    need = [0] * len(specs)
+    for j in jobs:
+        need[j.spec] = max(need[j.spec], j.max_tokens)
+
+    record: dict = {"arch": arch, "label": LABELS[arch], "errors": [], "phases_s": {}}
+    ckpt = ensure_tiny(arch, work)
+    log_path = logs / f"serve_{arch}.log"
+    record["server_log"] = str(log_path)
+    t_arch = time.monotonic()
+    port = free_port()
+    try:
+        with running_server(serve_cmd(ckpt, port, args), serve_env(args.kv_space_gib), log_path,
+                            args.start_timeout) as (proc, root):
+            record["phases_s"]["startup"] = time.monotonic() - t_arch
+            model = model_id(root)
+            with Monitor(root, proc.pid, args.poll_s) as mon:
+                mon.phase = "warmup"
+                t = time.monotonic()
+                warm, _ = asyncio.run(run_burst(root, model, warm_specs, warm_jobs, args.request_timeout,
+                                                args.overall_timeout))
+                record["warmup_failed"] = sum(1 for o in warm if o.error)
+                record["phases_s"]["warmup"] = time.monotonic() - t
+                mon.phase = "alone"
+                t = time.monotonic()
+                answers = alone_answers(root, model, specs, need, args.request_timeout)
+                record["phases_s"]["alone"] = time.monotonic() - t
+                wait_drained(root, 30)
+                time.sleep(1.0)
+                rss_base = mon.rss_now()
+                mon.phase = "load"
+                before = scrape(root)
+                outcomes, wall = asyncio.run(run_burst(root, model, specs, jobs, args.request_timeout,
+                                                       args.overall_timeout))
+                record["phases_s"]["load"] = wall
+                mon.phase = "drain"
+                drain = wait_drained(root, args.drain_timeout)
+                time.sleep(1.0)
+                rss_end = mon.rss_now()
+                after = scrape(root)
+            record["server_log_problems"] = server_log_problems(log_path)
+    except Exception as e:  # noqa: BLE001 - a crashed or hung server is a result too
+        record["errors"].append(f"{type(e).__name__}: {e}")
+        record["server_log_excerpt"] = error_excerpt(log_path)
+        record["total_s"] = time.monotonic() - t_arch
+        return record
+
+    checks = check_outcomes(outcomes, jobs, answers)
+    load_rss = [s["rss"] for s in mon.samples if s["phase"] in ("load", "drain") and s["rss"]] + [rss_end]
+    tokens = sum(len(o.tokens) for o in outcomes if not o.error)
+    prompt_tokens = sum(len(specs[j.spec].prompt) for j, o in zip(jobs, outcomes) if not o.error)
+    pic_delta = {k.removeprefix("vllm:hysparse_pic_"): after.get(k, 0) - before.get(k, 0)
+                 for k in ("vllm:hysparse_pic_segments_hit_total", "vllm:hysparse_pic_segments_cold_total",
+                           "vllm:hysparse_pic_tokens_reused_total", "vllm:hysparse_pic_tokens_recomputed_total")}
+    pic_delta["store_bytes"] = after.get("vllm:hysparse_pic_store_bytes")
+    record.update({
+        "workload": {"clients": args.clients, "distinct_prompts": len(specs),
+                     "pic_clients": sum(1 for j in jobs if specs[j.spec].pic_segments),
+                     "disconnecting_clients": sum(1 for j in jobs if j.disconnect_after is not None),
+                     "prompt_tokens_min_max": [min(len(s.prompt) for s in specs), max(len(s.prompt) for s in specs)],
+                     "prompt_tokens_mean": statistics.fmean(len(s.prompt) for s in specs),
+                     "output_tokens_min_max": [min(j.max_tokens for j in jobs), max(j.max_tokens for j in jobs)],
+                     "pic_documents": len(pool.docs), "pic_prefixes": len(pool.prefixes)},
+        "checks": checks,
+        "latency": latency_stats(outcomes),
+        "latency_by_kind": {k: latency_stats([o for o in outcomes if o.kind == k]) for k in ("plain", "pic")},
+        "throughput": {"output_tokens": tokens, "prompt_tokens": prompt_tokens, "wall_s": wall,
+                       "output_tokens_per_s": tokens / wall, "total_tokens_per_s": (tokens + prompt_tokens) / wall,
+                       "requests_per_s": len(outcomes) / wall},
+        "memory": {"rss_after_warmup_bytes": rss_base, "rss_max_during_load_bytes": max(load_rss),
+                   "rss_min_during_load_bytes": min(load_rss), "rss_after_drain_bytes": rss_end,
+                   "max_over_base": max(load_rss) / rss_base, "min_over_base": min(load_rss) / rss_base},
+        "health": mon.health_summary(),
+        "drain": drain,
+        "pic_counters_load": pic_delta,
+        "alone": {"requests": len(answers), "mean_s": statistics.fmean(a["s"] for a in answers),
+                  "min_top2_margin": min((m for a in answers for m in a["margins"] if m is not None), default=None)},
+        "samples": {"ttft_s": [o.ttft for o in outcomes if o.ttft is not None],
+                    "tpot_s": [o.tpot for o in outcomes if o.tpot is not None],
+                    "monitor": [{k: s[k] for k in ("t", "phase", "health", "rss")} for s in mon.samples]},
+    })
+    record["criteria"] = criteria(record, args.rss_tolerance)
+    record["total_s"] = time.monotonic() - t_arch
+    return record
+
+
+def criteria(rec: dict, rss_tol: float) -> dict:
+    c = rec["checks"]
+    crit = {
+        "no_request_failed": {"pass": not c["failed"] and rec.get("warmup_failed", 0) == 0,
+                              "value": f"{len(c['failed'])} failed under load, "
+                                       f"{rec.get('warmup_failed', 0)} in warm-up"},
+        "completed_match_alone": {"pass": not c["mismatched"] and not c["wrong_length"] and c["completed"] > 0,
+                                  "value": f"{c['completed']} completed + {c['disconnected']} disconnected checked, "
+                                           f"{len(c['mismatched'])} mismatched, {len(c['wrong_length'])} wrong length"},
+        "health_200_throughout": {"pass": rec["health"]["not_200"] == 0 and rec["health"]["polls"] > 0,
+                                  "value": f"{rec['health']['polls']} polls, {rec['health']['not_200']} not 200, "
+                                           f"max {rec['health']['max_latency_s']:.3f} s"},
+        "kv_and_pic_in_use_back_to_zero": {"pass": rec["drain"]["drained"],
+                                           "value": f"{rec['drain']['values']} after {rec['drain']['after_s']:.1f} s"},
+        "rss_within_tolerance": {"pass": rec["memory"]["max_over_base"] <= 1 + rss_tol
+                                 and rec["memory"]["min_over_base"] >= 1 - rss_tol,
+                                 "value": f"max {rec['memory']['max_over_base']:.3f}x, min "
+                                          f"{rec['memory']['min_over_base']:.3f}x of "
+                                          f"{rec['memory']['rss_after_warmup_bytes'] / 2**20:.0f} MiB"},
+    }
+    return crit
+
+
+# ---------------------------------------------------------------- report
+
+def _f(x, d=1):
+    return "—" if x is None else f"{x:,.{d}f}"
+
+
+def markdown(result: dict) -> str:
+    s = result["settings"]
+    lines = [f"# Load test, {result['date']}", "",
+             f"`{result['command']}`", "",
+             f"{s['clients']} concurrent streaming clients per architecture ({s['pic_fraction']:.0%} PIC, "
+             f"{s['disconnect_fraction']:.0%} disconnect mid-stream), prompt lengths {s['prompt_lens'][0]}-"
+             f"{s['prompt_lens'][1]} tokens (log-uniform; PIC: prefix + 1-4 of 8 pool documents + query), "
+             f"outputs {s['output_lens'][0]}-{s['output_lens'][1]} tokens (greedy, `ignore_eos`), "
+             f"`--max-num-seqs {s['max_num_seqs']}`{', `--enforce-eager`' if s['enforce_eager'] else ''}.", "",
+             "| model | requests | completed | disconnected | failed | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms "
+             "| TPOT p99 ms | output tok/s | total tok/s | load wall s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for rec in result["archs"].values():
+        if "latency" not in rec:
+            lines.append(f"| {rec['label']} | error: {'; '.join(rec['errors'])} |")
+            continue
+        L, T, c = rec["latency"], rec["throughput"], rec["checks"]
+        lines.append(f"| {rec['label']} | {rec['workload']['clients']} | {c['completed']} | {c['disconnected']} | "
+                     f"{len(c['failed'])} | {_f(L['ttft_p50_ms'])} | {_f(L['ttft_p99_ms'])} | {_f(L['tpot_p50_ms'])} "
+                     f"| {_f(L['tpot_p99_ms'])} | {_f(T['output_tokens_per_s'])} | {_f(T['total_tokens_per_s'])} | "
+                     f"{_f(T['wall_s'])} |")
+    lines += ["", "| model | kind | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    for rec in result["archs"].values():
+        for kind, L in rec.get("latency_by_kind", {}).items():
+            lines.append(f"| {rec['label']} | {kind} | {_f(L['ttft_p50_ms'])} | {_f(L['ttft_p99_ms'])} | "
+                         f"{_f(L['tpot_p50_ms'])} | {_f(L['tpot_p99_ms'])} |")
+    lines += ["", "| model | RSS after warm-up MiB | max during load MiB | after drain MiB | max / base | "
+              "PIC hits / cold (load) | startup s | warm-up s | alone s |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for rec in result["archs"].values():
+        if "memory" not in rec:
+            continue
+        m, p, ph = rec["memory"], rec["pic_counters_load"], rec["phases_s"]
+        lines.append(f"| {rec['label']} | {m['rss_after_warmup_bytes'] / 2**20:,.0f} | "
+                     f"{m['rss_max_during_load_bytes'] / 2**20:,.0f} | {m['rss_after_drain_bytes'] / 2**20:,.0f} | "
+                     f"{m['max_over_base']:.3f} | {p['segments_hit_total']:.0f} / {p['segments_cold_total']:.0f} | "
+                     f"{_f(ph.get('startup'))} | {_f(ph.get('warmup'))} | {_f(ph.get('alone'))} |")
+    lines += ["", "| model | criterion | pass | value |", "| --- | --- | --- | --- |"]
+    for rec in result["archs"].values():
+        for name, c in rec.get("criteria", {}).items():
+            lines.append(f"| {rec['label']} | {name} | {'PASS' if c['pass'] else 'FAIL'} | {c['value']} |")
+    lines += ["", f"Overall: **{'PASS' if result['passed'] else 'FAIL'}**. TTFT counts from the moment all clients "
+              "start (it includes queueing); TPOT = (last token - first token) / (tokens - 1) of completed requests. "
+              "Machine: " + f"{result['machine']['cpu']}, {result['machine']['cpu_count']} cores shared with other "
+              f"work (load average {', '.join(f'{x:.2f}' for x in result['loadavg_start'])} at start, "
+              f"{', '.join(f'{x:.2f}' for x in result['loadavg_end'])} at end).", ""]
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    for rec in result["archs"].values():
+        if "samples" not in rec:
+            continue
+        for ax, key, title in ((axes[0], "ttft_s", "TTFT"), (axes[1], "tpot_s", "TPOT")):
+            v = sorted(x * 1000 for x in rec["samples"][key])
+            if v:
+                ax.plot(v, [(i + 1) / len(v) for i in range(len(v))], label=rec["label"])
+            ax.set_xlabel(f"{title} (ms)")
+            ax.set_ylabel("fraction of requests")
+            ax.set_title(f"{title} distribution (CDF)")
+        mon = rec["samples"]["monitor"]
+        axes[2].plot([s["t"] for s in mon], [s["rss"] / 2**20 for s in mon], label=rec["label"])
+    axes[2].set_xlabel("time since server up (s)")
+    axes[2].set_ylabel("server RSS (MiB)")
+    axes[2].set_title("resident memory (warm-up, alone, load, drain)")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM (e.g. a test's timeout) unwinds the stack, so the server's context manager stops it."""
+    import signal
+
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def result_stem(out_dir: Path, prefix: str, start: datetime.datetime, tag: str | None) -> Path:
+    stem = f"{prefix}_{start:%Y-%m-%d_%H%M}" + (f"_{tag}" if tag else "")
+    path, n = out_dir / stem, 2
+    while path.with_suffix(".json").exists():
+        path, n = out_dir / f"{stem}_{n}", n + 1
+    return path
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--archs", nargs="+", choices=ARCHS, default=list(ARCHS))
+    p.add_argument("--clients", type=int, default=256)
+    p.add_argument("--distinct", type=int, default=0, help="distinct prompts (0: one per client)")
+    p.add_argument("--pic-fraction", type=float, default=0.25)
+    p.add_argument("--disconnect-fraction", type=float, default=0.2)
+    p.add_argument("--prompt-lens", type=int, nargs=2, default=[8, 700], metavar=("MIN", "MAX"))
+    p.add_argument("--output-lens", type=int, nargs=2, default=[4, 32], metavar=("MIN", "MAX"))
+    p.add_argument("--warmup-clients", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--kv-space-gib", type=int, default=1)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--request-timeout", type=float, default=300, help="per request (openai client timeout), s")
+    p.add_argument("--overall-timeout", type=float, default=600, help="bound on one burst, s")
+    p.add_argument("--drain-timeout", type=float, default=60)
+    p.add_argument("--start-timeout", type=float, default=300)
+    p.add_argument("--poll-s", type=float, default=0.5)
+    p.add_argument("--rss-tolerance", type=float, default=0.10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    p.add_argument("--tag", default=None)
+    p.add_argument("--report-from", type=Path, default=None, help="redraw the .md and .png of an earlier JSON")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    exit_on_sigterm()
+    if args.report_from:
+        result = json.loads(args.report_from.read_text())
+        stem = args.report_from.with_suffix("")
+        stem.with_suffix(".md").write_text(markdown(result))
+        plot(result, stem.with_suffix(".png"))
+        print(markdown(result))
+        return 0 if result["passed"] else 1
+    start = datetime.datetime.now()
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    stem = result_stem(args.out_dir, "load", start, args.tag)
+    result = {"date": f"{start:%Y-%m-%d %H:%M}", "command": shlex.join([sys.executable, *sys.argv]),
+              "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+              "machine": machine_info(), "loadavg_start": os.getloadavg(), "archs": {}}
+    logs = args.out_dir / "tmp" / stem.name  # server logs (ignored by git)
+    logs.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="load_test_") as tmp:
+        for arch in args.archs:
+            print(f"[{arch}] starting", flush=True)
+            rec = run_arch(arch, args, Path(tmp), logs)
+            result["archs"][arch] = rec
+            crit = rec.get("criteria", {})
+            print(f"[{arch}] {rec.get('total_s', 0):.0f} s, errors {rec['errors']}, "
+                  + ", ".join(f"{k}={'PASS' if v['pass'] else 'FAIL'}" for k, v in crit.items()), flush=True)
+            if rec["errors"]:
+                print(rec.get("server_log_excerpt", ""), file=sys.stderr)
+    result["loadavg_end"] = os.getloadavg()
+    result["wall_s"] = (datetime.datetime.now() - start).total_seconds()
+    result["passed"] = all(not r["errors"] and all(c["pass"] for c in r["criteria"].values())
+                           for r in result["archs"].values())
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    report = markdown(result)
+    stem.with_suffix(".md").write_text(report)
+    plot(result, stem.with_suffix(".png"))
+    print(report)
+    print(f"wrote {stem}.json (.md, .png) in {result['wall_s']:.0f} s")
+    return 0 if result["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
