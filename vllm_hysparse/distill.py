@@ -11,9 +11,7 @@ other (config, safetensors, tokenizer), ready for `python -m vllm_hysparse.valid
 """
 
 import argparse
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -21,6 +19,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import vllm_hysparse  # noqa: F401  (registers our configs and models)
+from vllm_hysparse.tools.staging import staged_output
 
 
 def kl_divergence(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
@@ -73,20 +72,12 @@ def distill(teacher, student, train: torch.Tensor, heldout: torch.Tensor, *, ste
 
 
 def save(student, tokenizer_dir: str, out: Path, force: bool) -> None:
-    """Write through a temporary directory; never replaces a non-empty `out` without `force`."""
+    """Write through a temporary directory (`tools.staging`); never replaces a non-empty `out` without `force`."""
     if out.exists() and any(out.iterdir()) and not force:
         raise FileExistsError(f"{out} exists and is not empty; pass --force to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with staged_output(out) as tmp:
         student.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
 
 
 def main(argv: list[str] | None = None) -> int:

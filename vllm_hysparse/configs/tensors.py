@@ -5,6 +5,8 @@ One table drives strict loading everywhere: a tensor missing from it, absent
 from the checkpoint, or of another shape is an error that names the tensor.
 """
 
+from pathlib import Path
+
 from vllm_hysparse.configs.base import HySparseBaseConfig
 
 
@@ -83,8 +85,39 @@ def check_tensor(expected: dict[str, tuple[int, ...]], name: str, shape: tuple[i
         raise ValueError(f"checkpoint tensor {name} has shape {tuple(shape)}, expected {expected[name]}")
 
 
+def check_finite(name: str, tensor) -> None:
+    """Raise a one-line ValueError when a floating-point tensor holds NaN or infinity.
+
+    Such weights load without complaint and serve garbage (or NaN logits
+    that sample token 0); one pass over each tensor at load time is cheap.
+    """
+    import torch
+
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        nan, inf = int(torch.isnan(tensor).sum()), int(torch.isinf(tensor).sum())
+        raise ValueError(f"checkpoint tensor {name} has non-finite values ({nan} NaN, {inf} inf of "
+                         f"{tensor.numel()}); the checkpoint is corrupt")
+
+
 def check_complete(expected: dict[str, tuple[int, ...]], seen: set[str]) -> None:
     missing = sorted(set(expected) - seen)
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise ValueError(f"checkpoint is missing tensor(s) {', '.join(missing[:5])}{more}")
+
+
+def unreadable_files_message(model_dir: str, error: Exception) -> str:
+    """One line naming the safetensors file(s) of `model_dir` that cannot be read, and why."""
+    from safetensors import SafetensorError, safe_open
+
+    bad = []
+    for path in sorted(Path(model_dir).glob("*.safetensors")) if model_dir else []:
+        try:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    f.get_slice(name)
+        except SafetensorError as e:
+            bad.append(f"{path} ({e})")
+    if not bad:
+        return f"a checkpoint file of {model_dir or 'the model'} is truncated or corrupt ({error})"
+    return f"truncated or corrupt checkpoint file(s): {'; '.join(bad)}; rewrite or re-download them"

@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """Pieces both vLLM models share: head split under TP, per-head norm, gates, sinks, strict loading."""
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.logger import init_logger
@@ -13,7 +14,14 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader,
 from vllm.model_executor.models.qwen2 import Qwen2MLP
 
 from vllm_hysparse.configs.base import HySparseBaseConfig, kv_report
-from vllm_hysparse.configs.tensors import check_complete, check_tensor, expected_tensors, layer_kind
+from vllm_hysparse.configs.tensors import (
+    check_complete,
+    check_finite,
+    check_tensor,
+    expected_tensors,
+    layer_kind,
+    unreadable_files_message,
+)
 
 # Under the "vllm" logger tree so vLLM's log configuration prints it.
 logger = init_logger("vllm.hysparse")
@@ -132,12 +140,13 @@ def vllm_param_name(config: HySparseBaseConfig, stacks: StackTable, name: str) -
 
 def load_checked(model: nn.Module, config: HySparseBaseConfig, stacks: StackTable,
                  weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-    """Strict loading: an unknown, missing or mis-shaped tensor is a one-line error naming it."""
+    """Strict loading: an unknown, missing, mis-shaped or non-finite tensor is a one-line error naming it."""
     expected = expected_tensors(config)
     params = dict(model.named_parameters())
     seen: set[str] = set()
-    for name, weight in weights:
+    for name, weight in readable(config, weights):
         check_tensor(expected, name, tuple(weight.shape))
+        check_finite(name, weight)
         seen.add(name)
         target, shard = vllm_param_name(config, stacks, name)
         param = params[target]
@@ -148,3 +157,17 @@ def load_checked(model: nn.Module, config: HySparseBaseConfig, stacks: StackTabl
             loader(param, weight, shard)
     check_complete(expected, seen)
     return set(params)
+
+
+def readable(config: HySparseBaseConfig, weights: Iterable[tuple[str, torch.Tensor]]
+             ) -> Iterator[tuple[str, torch.Tensor]]:
+    """`weights`, with safetensors' file errors (which name no file) turned into one line that does."""
+    it = iter(weights)
+    while True:
+        try:
+            item = next(it)
+        except StopIteration:
+            return
+        except SafetensorError as e:
+            raise ValueError(unreadable_files_message(config.name_or_path, e)) from None
+        yield item

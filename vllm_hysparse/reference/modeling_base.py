@@ -2,10 +2,12 @@
 """transformers plumbing shared by both reference models: init, strict loading, cache, logits."""
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 from transformers import DynamicCache, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from vllm_hysparse.configs.tensors import check_finite, unreadable_files_message
 from vllm_hysparse.reference.layers import RMSNorm, ReferenceSwitches
 
 
@@ -36,18 +38,28 @@ class ReferencePreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
-        """Load a checkpoint; any missing, unexpected or mis-shaped tensor is an error naming it."""
+        """Load a checkpoint; any missing, unexpected, mis-shaped or non-finite tensor, or an unreadable
+        safetensors file, is a `CheckpointError` naming it."""
         want_info = kwargs.pop("output_loading_info", False)
         # True makes transformers report mis-shaped tensors in `info` instead of
         # raising a RuntimeError that does not name them; we raise below anyway.
         kwargs["ignore_mismatched_sizes"] = True
-        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        try:
+            model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        except SafetensorError as e:
+            # safetensors names no file; say which one is truncated or corrupt.
+            raise CheckpointError(unreadable_files_message(str(args[0]) if args else "", e)) from None
         problems = [f"missing tensor {k}" for k in sorted(info.get("missing_keys", []))]
         problems += [f"unexpected tensor {k}" for k in sorted(info.get("unexpected_keys", []))]
         problems += [f"mis-shaped tensor {m[0] if isinstance(m, tuple) else m}"
                      for m in info.get("mismatched_keys", [])]
         if problems:
             raise CheckpointError(f"{args[0] if args else ''}: " + "; ".join(problems))
+        for name, tensor in model.state_dict().items():
+            try:
+                check_finite(name, tensor)
+            except ValueError as e:
+                raise CheckpointError(f"{args[0] if args else ''}: {e}") from None
         return (model, info) if want_info else model
 
 

@@ -18,13 +18,12 @@ import json
 import re
 import shutil
 import sys
-import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 from transformers import AutoConfig
@@ -33,6 +32,7 @@ from vllm_hysparse.configs import HySparse2Config, HySparseConfig
 from vllm_hysparse.configs.base import HySparseBaseConfig, kv_bytes_per_token
 from vllm_hysparse.configs.tensors import check_complete, check_tensor, expected_tensors, layer_kind
 from vllm_hysparse.tools.make_checkpoint import parse_size
+from vllm_hysparse.tools.staging import staged_output
 
 F, S, W = "full_attention", "sparse_attention", "sliding_attention"
 # exp(-30) is ~1e-13 of the softmax mass of any key: the sink starts switched off.
@@ -226,8 +226,11 @@ def read_headers(src: Path) -> dict[str, dict[str, tuple[tuple[int, ...], torch.
     for fname in files:
         if not (src / fname).is_file():
             raise ValueError(f"{src}: shard {fname} named in the index does not exist")
-        with safe_open(src / fname, framework="pt") as f:
-            out[fname] = {name: _header(f, name) for name in f.keys()}
+        try:
+            with safe_open(src / fname, framework="pt") as f:
+                out[fname] = {name: _header(f, name) for name in f.keys()}
+        except SafetensorError as e:
+            raise ValueError(f"{src / fname}: truncated or corrupt safetensors file ({e})") from None
     return out
 
 
@@ -597,25 +600,18 @@ def convert(conv: Conversion, dst: str | Path, *, force: bool = False, max_shard
     """Write the converted checkpoint into a temporary directory beside `dst`, then move it there.
 
     Refuses a non-empty `dst` unless `force`; a failure (including `check`,
-    the logits match against the teacher) leaves `dst` untouched.
+    the logits match against the teacher), Ctrl-C or kill leaves `dst`
+    untouched (see `vllm_hysparse.tools.staging`).
     """
     dst = Path(dst)
     _check_destination(conv.src, dst, force)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
-    try:
+    with staged_output(dst) as tmp:
         conv.config.save_pretrained(tmp)
         copy_side_files(conv.src, tmp)
         write_weights(conv, tmp, max_shard_bytes)
         check_written(conv.config, tmp)
         if check:
             print(verify(conv, tmp))
-        if dst.exists():
-            shutil.rmtree(dst)
-        tmp.rename(dst)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     return dst
 
 

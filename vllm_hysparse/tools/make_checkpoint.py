@@ -11,9 +11,7 @@ non-trivial. The `paper` presets write the config and tokenizer only.
 
 import argparse
 import json
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -24,6 +22,7 @@ from transformers import GenerationConfig
 from vllm_hysparse.configs import HySparse2Config, HySparseConfig
 from vllm_hysparse.configs.base import kv_bytes_per_token
 from vllm_hysparse.tools.presets import CONFIG_ONLY, PRESETS, TOKENIZER_VOCAB
+from vllm_hysparse.tools.staging import staged_output
 from vllm_hysparse.tools.tokenizer import build_hf_tokenizer
 
 CONFIG_CLASSES = {"hysparse": HySparseConfig, "hysparse2": HySparse2Config}
@@ -103,8 +102,8 @@ def write_checkpoint(
 ) -> Path:
     """Build a checkpoint in a temporary directory, then move it to `out`.
 
-    Refuses to replace a non-empty `out` unless `force`; a failure leaves
-    `out` untouched.
+    Refuses to replace a non-empty `out` unless `force`; a failure, Ctrl-C or
+    kill leaves `out` untouched (see `vllm_hysparse.tools.staging`).
     """
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not force:
@@ -117,21 +116,13 @@ def write_checkpoint(
     config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
     config.pad_token_id = tokenizer.pad_token_id
     config.dtype = DTYPES[dtype]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with staged_output(out) as tmp:
         config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
                          pad_token_id=config.pad_token_id).save_pretrained(tmp)
         if preset not in CONFIG_ONLY:
             save_sharded(random_state_dict(config, seed, logit_std, DTYPES[dtype]), tmp, max_shard_bytes)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     return out
 
 
