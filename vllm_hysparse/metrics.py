@@ -11,9 +11,13 @@ a change, and once more at exit.
 """
 
 import atexit
+import contextlib
 import json
+import logging
 import os
+import re
 import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -29,6 +33,11 @@ PIC_COUNTERS = ("segments_hit", "segments_cold", "tokens_reused", "tokens_recomp
 PIC_POOL_FIELDS = ("bytes", "entries", "evictions")
 PIC_POOLS = ("public", "private")
 _PUBLISH_INTERVAL_S = 0.2
+# What the collector reads from the directory: worker-<pid>.json files of at most this size, at most this many.
+_WORKER_FILE = re.compile(r"worker-\d{1,10}\.json")
+_MAX_FILE_BYTES = 64 << 10
+_MAX_FILES = 4096
+logger = logging.getLogger("vllm.hysparse")
 
 
 METRICS_ENV = "VLLM_HYSPARSE_METRICS"
@@ -115,13 +124,22 @@ class PagesPerQueryStats:
         if self._path is None:
             return
         self._dirty = False
-        text = json.dumps(self.totals())
-        tmp = self._path.with_suffix(".tmp")
+        text = json.dumps(self.totals()).encode()
+        tmp = None
         try:
-            tmp.write_text(text)
-            tmp.replace(self._path)
+            # A fresh, exclusively created temporary file (never an existing name, never through a link), then an
+            # atomic rename onto our own file name (a rename replaces a link there, it never writes through it).
+            fd, tmp = tempfile.mkstemp(prefix=f"{self._path.stem}.", suffix=".tmp", dir=self._path.parent)
+            with os.fdopen(fd, "wb") as f:
+                f.write(text)
+            os.replace(tmp, self._path)
+            tmp = None
         except OSError:
             pass  # the serving process removed the directory on shutdown
+        finally:
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
 
     def _publish_loop(self) -> None:
         while True:
@@ -145,16 +163,54 @@ def pic_fields() -> list[str]:
     return [f"pic_{k}" for k in (*PIC_COUNTERS, *pools, "in_use")]
 
 
+def _read_worker_file(directory: str | os.PathLike, name: str) -> dict | None:
+    """One worker's published values, or None for anything that is not a small regular file of a JSON object.
+
+    Opened without following links and without blocking (a FIFO or device planted in the directory is skipped, not
+    waited on), checked to be a regular file of at most `_MAX_FILE_BYTES`, read at most that far.
+    """
+    try:
+        fd = os.open(os.path.join(directory, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None  # a link, gone (being replaced right now: the next scrape sees it), or unreadable
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > _MAX_FILE_BYTES:
+            return None
+        raw = os.read(fd, _MAX_FILE_BYTES + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
 def read_totals(directory: str | os.PathLike) -> dict[str, int]:
-    """Sum of every worker's published values (under TP each rank stores its own shard of the segments)."""
+    """Sum of every worker's published values (under TP each rank stores its own shard of the segments).
+
+    Only files named like a worker's (`worker-<pid>.json`) count, and only their non-negative integer values; anything
+    else found in the directory (other names, links, non-regular or oversized files, bad JSON) is ignored, so it can
+    neither break `/metrics` nor make it read outside the directory.
+    """
     totals = dict.fromkeys((*FIELDS, *pic_fields()), 0)
-    for path in Path(directory).glob("worker-*.json"):
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue  # being replaced right now; the next scrape sees it
+    try:
+        names = sorted(os.listdir(directory))[:_MAX_FILES]
+    except OSError:
+        return totals
+    for name in names:
+        if not _WORKER_FILE.fullmatch(name):
+            continue
+        data = _read_worker_file(directory, name)
+        if data is None:
+            continue
         for key in totals:
-            totals[key] += int(data.get(key, 0))
+            value = data.get(key, 0)
+            if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63:
+                totals[key] += value
     return totals
 
 
@@ -209,6 +265,15 @@ def _pic_metrics(t: dict[str, int]):
                             value=t["pic_in_use"])
 
 
+def _private_dir(directory: str) -> bool:
+    """True for an existing directory (not a link to one) owned by this user, which no other user can access."""
+    try:
+        info = os.lstat(directory)
+    except OSError:
+        return False
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o077
+
+
 _REGISTER_LOCK = threading.Lock()
 _REGISTERED = False
 
@@ -220,7 +285,13 @@ def register_collector() -> None:
         if _REGISTERED:
             return
         directory = os.environ.get(METRICS_DIR_ENV)
+        if directory is not None and not _private_dir(directory):
+            logger.warning("%s=%s is not a directory of this user's that only this user can access (mode 0700, "
+                           "no link); using a private temporary directory for HySparse metrics instead",
+                           METRICS_DIR_ENV, directory)
+            directory = None
         if directory is None:
+            # mkdtemp: a new directory with mode 0700, so no other user can plant, replace or redirect files in it.
             directory = tempfile.mkdtemp(prefix="vllm-hysparse-metrics-")
             os.environ[METRICS_DIR_ENV] = directory
             atexit.register(shutil.rmtree, directory, True)

@@ -27,6 +27,14 @@ PIC_MODEL_TYPES = ("hysparse", "hysparse2")
 _HOOK_FLAG = "_hysparse_pic_frontend"
 
 
+def _shown(value, limit: int = 200):
+    """A rejected value as the error message shows it: vLLM prints it whole, so long ones are cut."""
+    if value is None or isinstance(value, (bool, int, float)) and len(str(value)) <= limit:
+        return value
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "...[truncated]"
+
+
 def is_pic_model(model_config) -> bool:
     """True for HySparse / HySparse2 checkpoints, the only models PIC applies to."""
     hf_config = getattr(model_config, "hf_config", None)
@@ -69,18 +77,18 @@ def check_pic_request(request, executes: bool = True) -> PICLayout | None:
             parameter=TEXT_SEGMENTS_FIELD)
     if request.prompt_token_ids is None:
         raise VLLMValidationError(f"{SEGMENTS_FIELD}: PIC needs a prompt of token ids or text, not prompt_embeds",
-                                  parameter=SEGMENTS_FIELD, value=extra_args.get(SEGMENTS_FIELD))
+                                  parameter=SEGMENTS_FIELD, value=_shown(extra_args.get(SEGMENTS_FIELD)))
     try:
         layout = parse_layout(extra_args, len(request.prompt_token_ids))
     except PICError as e:
-        raise VLLMValidationError(str(e), parameter=e.field, value=extra_args.get(e.field)) from None
+        raise VLLMValidationError(str(e), parameter=e.field, value=_shown(extra_args.get(e.field))) from None
     if layout is None:
         return None
     if not executes:
         raise VLLMValidationError(
             f"{SEGMENTS_FIELD}: this engine's workers do not run PIC (a custom --worker-cls, or vLLM's V2 "
             "model runner); PIC needs the plugin's worker, which is chosen by default", parameter=SEGMENTS_FIELD,
-            value=extra_args.get(SEGMENTS_FIELD))
+            value=_shown(extra_args.get(SEGMENTS_FIELD)))
     if params.prompt_logprobs is not None:
         raise VLLMValidationError(
             "prompt_logprobs are not available for PIC requests (pic_segments): spliced and interior "

@@ -14,6 +14,9 @@ from itertools import accumulate
 SEGMENTS_FIELD = "pic_segments"
 SEAM_FIELD = "pic_seam_tokens"
 DEFAULT_SEAM = 8
+# Any seam at least as long as every segment recomputes everything, so larger values mean nothing more; the bound
+# keeps absurd ones out of salts and the worker (vLLM itself refuses extra_args integers past 64 bits).
+MAX_SEAM = 2**31 - 1
 # Set by the frontend from the request's `cache_salt`: its segments go to the store's private pool under it.
 POOL_SALT_FIELD = "pic_pool_salt"
 
@@ -66,7 +69,7 @@ def parse_layout(extra_args: dict | None, prompt_len: int) -> PICLayout | None:
 
     Raises `PICError` naming the field for lengths that are not positive
     integers, fewer than 2 segments, lengths that do not sum to the prompt,
-    or a seam that is not an integer >= 0.
+    or a seam that is not an integer from 0 to `MAX_SEAM`.
     """
     if not extra_args or SEGMENTS_FIELD not in extra_args:
         if extra_args and SEAM_FIELD in extra_args:
@@ -74,14 +77,14 @@ def parse_layout(extra_args: dict | None, prompt_len: int) -> PICLayout | None:
         return None
     segments = extra_args[SEGMENTS_FIELD]
     if not isinstance(segments, (list, tuple)) or not all(_is_int(n) for n in segments):
-        raise PICError(SEGMENTS_FIELD, f"must be a list of integers (got {segments!r})")
+        raise PICError(SEGMENTS_FIELD, f"must be a list of integers (got {segments!r:.200})")
     if len(segments) < 2:
         raise PICError(SEGMENTS_FIELD, f"needs at least 2 segments, a prefix and the query (got {len(segments)})")
     if any(n < 1 for n in segments):
-        raise PICError(SEGMENTS_FIELD, f"every segment needs at least 1 token (got {list(segments)})")
+        raise PICError(SEGMENTS_FIELD, f"every segment needs at least 1 token (got {list(segments)!r:.200})")
     if sum(segments) != prompt_len:
         raise PICError(SEGMENTS_FIELD, f"lengths sum to {sum(segments)}, but the prompt has {prompt_len} tokens")
     seam = extra_args.get(SEAM_FIELD, DEFAULT_SEAM)
-    if not _is_int(seam) or seam < 0:
-        raise PICError(SEAM_FIELD, f"must be an integer >= 0 (got {seam!r})")
+    if not _is_int(seam) or not 0 <= seam <= MAX_SEAM:
+        raise PICError(SEAM_FIELD, f"must be an integer from 0 to {MAX_SEAM} (got {seam!r:.100})")
     return PICLayout(tuple(segments), seam)

@@ -48,10 +48,11 @@ class PICTextError(ValueError):
         self.field = field
 
 
-def rewrite_text_request(data, tokenizer) -> dict | None:
+def rewrite_text_request(data, tokenizer, max_model_len: int | None = None) -> dict | None:
     """A parsed completion request body -> the rewritten body, or None when it is not a text-level PIC request.
 
-    Raises `PICTextError` naming the field for malformed input.
+    Raises `PICTextError` naming the field for malformed input. With `max_model_len`, more segments than that
+    (each needs a token) are refused before anything is tokenized.
     """
     if not isinstance(data, dict):
         return None
@@ -64,6 +65,9 @@ def rewrite_text_request(data, tokenizer) -> dict | None:
     if len(texts) < 2:
         raise PICTextError(TEXT_SEGMENTS_FIELD,
                            f"needs at least 2 segments, a prefix and the query (got {len(texts)})")
+    if max_model_len is not None and len(texts) > max_model_len:
+        raise PICTextError(TEXT_SEGMENTS_FIELD, f"{len(texts)} segments cannot fit the model's context of "
+                                                f"{max_model_len} tokens (every segment needs a token)")
     if SEGMENTS_FIELD in xargs:
         raise PICTextError(SEGMENTS_FIELD, f"give either {SEGMENTS_FIELD} (with a token-id prompt) or "
                                            f"{TEXT_SEGMENTS_FIELD}, not both")
@@ -76,6 +80,9 @@ def rewrite_text_request(data, tokenizer) -> dict | None:
         ids, lengths = pic_prompt(tokenizer, texts)
     except ValueError as e:
         raise PICTextError(TEXT_SEGMENTS_FIELD, str(e).removeprefix("texts: ")) from None
+    except Exception as e:  # noqa: BLE001 - e.g. a lone surrogate: HF tokenizers raise TypeError
+        raise PICTextError(TEXT_SEGMENTS_FIELD, f"a segment cannot be tokenized ({type(e).__name__}: "
+                                                f"{str(e)[:200]})") from None
     rest = {k: v for k, v in xargs.items() if k != TEXT_SEGMENTS_FIELD}
     return {**data, "prompt": ids, "vllm_xargs": {**rest, SEGMENTS_FIELD: lengths}}
 
@@ -136,17 +143,22 @@ class PICTextMiddleware:
         if _MARKER in body:
             try:
                 data = json.loads(body)
-            except ValueError:
-                data = None  # vLLM answers malformed JSON itself
+            except (ValueError, RecursionError):
+                data = None  # vLLM answers malformed (or too deeply nested) JSON itself
             try:
                 import anyio
 
                 tokenizer = state.engine_client.renderer.get_tokenizer()
-                new = await anyio.to_thread.run_sync(rewrite_text_request, data, tokenizer)
+                max_len = getattr(state.vllm_config.model_config, "max_model_len", None)
+                new = await anyio.to_thread.run_sync(rewrite_text_request, data, tokenizer, max_len)
             except PICTextError as e:
                 return await _error_response(e)(scope, receive, send)
             if new is not None:
-                body = json.dumps(new).encode()
+                try:
+                    body = json.dumps(new).encode()
+                except (ValueError, RecursionError):  # nested about as deep as json allows: leave it to vLLM
+                    new = None
+            if new is not None:
                 headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
                 scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
         return await self.app(scope, _replay(body, receive), send)

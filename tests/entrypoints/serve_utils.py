@@ -1,0 +1,108 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A real `vllm serve` process for tests that talk HTTP to it (loopback only, bounded waits)."""
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import tests.vllm_utils  # noqa: F401  (CPU engine environment, before vLLM starts)
+
+VLLM = str(Path(sys.executable).parent / "vllm")
+SERVE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    port: int
+    log: Path
+    api_key: str | None
+
+    @property
+    def root(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.root}/v1"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def log_tail(self, n: int = 4000) -> str:
+        return self.log.read_text(errors="replace")[-n:]
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after 60 s; idempotent."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(30)
+
+
+def _wait_healthy(server: Server, timeout_s: float) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"vllm serve exited with {server.proc.returncode}:\n{server.log_tail()}")
+        try:
+            with urllib.request.urlopen(f"{server.root}/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"vllm serve did not become healthy within {timeout_s:.0f} s:\n{server.log_tail()}")
+
+
+@contextlib.contextmanager
+def serve(ckpt, log: Path, *args: str, api_key: str | None = None, env: dict | None = None,
+          start_timeout_s: float = 300):
+    """`vllm serve ckpt --host 127.0.0.1 --port <free> ...`; yields a healthy `Server`, stops it afterwards."""
+    port = free_port()
+    cmd = [VLLM, "serve", str(ckpt), "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port), *args]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, **SERVE_ENV, **(env or {})})
+    server = Server(proc, port, log, api_key)
+    try:
+        _wait_healthy(server, start_timeout_s)
+        yield server
+    finally:
+        server.stop()
+
+
+def error_of(response) -> tuple[str, str | None]:
+    """(message, param) of an error response: vLLM's `ErrorResponse`, its 401 body, or FastAPI's `detail`."""
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text, None
+    if isinstance(body, dict):
+        err = body.get("error", body.get("detail"))
+        if isinstance(err, dict):
+            return str(err.get("message") or ""), err.get("param")
+        if err is not None:
+            return str(err), None
+        if "message" in body:
+            return str(body["message"]), body.get("param")
+    return str(body), None
