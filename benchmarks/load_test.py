@@ -731,19 +731,33 @@ def main(argv=None) -> int:
               "machine": machine_info(), "loadavg_start": os.getloadavg(), "archs": {}}
     logs = args.out_dir / "tmp" / stem.name  # server logs (ignored by git)
     logs.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="load_test_") as tmp:
-        for arch in args.archs:
-            print(f"[{arch}] starting", flush=True)
-            rec = run_arch(arch, args, Path(tmp), logs)
-            result["archs"][arch] = rec
-            crit = rec.get("criteria", {})
-            print(f"[{arch}] {rec.get('total_s', 0):.0f} s, errors {rec['errors']}, "
-                  + ", ".join(f"{k}={'PASS' if v['pass'] else 'FAIL'}" for k, v in crit.items()), flush=True)
-            if rec["errors"]:
-                print(rec.get("server_log_excerpt", ""), file=sys.stderr)
+    try:
+        with tempfile.TemporaryDirectory(prefix="load_test_") as tmp:
+            for arch in args.archs:
+                print(f"[{arch}] starting", flush=True)
+                rec = run_arch(arch, args, Path(tmp), logs)
+                result["archs"][arch] = rec
+                crit = rec.get("criteria", {})
+                print(f"[{arch}] {rec.get('total_s', 0):.0f} s, errors {rec['errors']}, "
+                      + ", ".join(f"{k}={'PASS' if v['pass'] else 'FAIL'}" for k, v in crit.items()), flush=True)
+                if rec["errors"]:
+                    print(rec.get("server_log_excerpt", ""), file=sys.stderr)
+                # what is done so far, in case the run is stopped before the next architecture finishes
+                stem.with_suffix(".partial.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    except SystemExit:
+        result["archs"].setdefault("stopped", {"arch": "stopped", "label": "stopped", "errors": ["SIGTERM"]})
+        raise
+    finally:
+        stem.with_suffix(".partial.json").unlink(missing_ok=True)
+        if result["archs"]:
+            finish(result, stem, start)
+    return 0 if result["passed"] else 1
+
+
+def finish(result: dict, stem: Path, start: datetime.datetime) -> None:
     result["loadavg_end"] = os.getloadavg()
     result["wall_s"] = (datetime.datetime.now() - start).total_seconds()
-    result["passed"] = all(not r["errors"] and all(c["pass"] for c in r["criteria"].values())
+    result["passed"] = all(not r["errors"] and all(c["pass"] for c in r.get("criteria", {}).values())
                            for r in result["archs"].values())
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str) + "\n")
     report = markdown(result)
@@ -751,7 +765,6 @@ def main(argv=None) -> int:
     plot(result, stem.with_suffix(".png"))
     print(report)
     print(f"wrote {stem}.json (.md, .png) in {result['wall_s']:.0f} s")
-    return 0 if result["passed"] else 1
 
 
 if __name__ == "__main__":
