@@ -34,7 +34,6 @@ import contextlib
 import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -44,6 +43,8 @@ from pathlib import Path
 BENCH_DIR = Path(__file__).resolve().parent
 CHECKPOINT_DIR = BENCH_DIR / "checkpoints"
 RESULTS_DIR = BENCH_DIR / "results" / "pic"
+sys.path.insert(0, str(BENCH_DIR))
+from serve_bench import machine_info  # noqa: E402  (same machine record as the serving benchmark)
 ARCHS = ("hysparse", "hysparse2")
 LABELS = {"hysparse": "HySparse", "hysparse2": "HySparse2"}
 DEFAULT_SEAM = 8
@@ -245,24 +246,6 @@ def summarize(res: dict, seams: list[int]) -> dict:
                                "met": bool(s["cold_over_plain"] and s["cold_over_plain"] <= TARGET_COLD_RATIO)},
     }
     return s
-
-
-def machine_info() -> dict:
-    import torch
-    import transformers
-    import vllm
-
-    cpu = platform.processor()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=BENCH_DIR).stdout.strip()
-    return {"platform": platform.platform(), "python": platform.python_version(), "cpu": cpu,
-            "cpu_count": os.cpu_count(), "versions": {"torch": torch.__version__, "vllm": vllm.__version__,
-                                                      "transformers": transformers.__version__},
-            "git_commit": commit}
 
 
 def _ms(x):
