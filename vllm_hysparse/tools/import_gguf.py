@@ -18,7 +18,6 @@ too), qwen2, qwen3 -- the dense layouts our converter accepts.
 import argparse
 import copy
 import importlib.util
-import os
 import shutil
 import sys
 import tempfile
@@ -29,6 +28,7 @@ import torch
 
 from vllm_hysparse.tools.convert import SOURCE_ARCHITECTURES
 from vllm_hysparse.tools.make_checkpoint import parse_size, save_sharded
+from vllm_hysparse.tools.staging import publish
 
 # GGUF architecture names whose transformers model types convert.py accepts.
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -211,12 +211,6 @@ def verify(model, out: Path, dtype: torch.dtype, tol: float = 1e-5) -> str:
     return line
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def _check_destination(src: Path, dst: Path, force: bool) -> None:
     if dst.exists() and not dst.is_dir():
         raise GGUFImportError(f"{dst} exists and is not a directory")
@@ -250,11 +244,7 @@ def import_gguf(src: str | Path, dst: str | Path, *, dtype: str = "float32", for
         write_dense(model, tokenizer, tmp, DTYPES[dtype], max_shard_bytes)
         if check:
             log(verify(model, tmp, DTYPES[dtype]))
-        # mkdtemp makes the directory private; the checkpoint gets the usual permissions.
-        tmp.chmod(0o777 & ~_umask())
-        if dst.exists():
-            shutil.rmtree(dst)
-        tmp.rename(dst)
+        publish(tmp, dst)  # never deletes an existing `dst` in place
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
