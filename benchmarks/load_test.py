@@ -34,7 +34,6 @@ import json
 import math
 import os
 import random
-import re
 import shlex
 import statistics
 import sys
@@ -42,7 +41,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
