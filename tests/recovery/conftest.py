@@ -1,0 +1,61 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A small random dense Llama teacher and its HySparse / HySparse2 conversions, written once per session."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from vllm_hysparse.tools import convert
+from vllm_hysparse.tools.tokenizer import build_hf_tokenizer
+
+# Windows of 96 tokens: blocks of 8 with 3 selected, 16 tokens selected, windows of 16 -- every
+# sparse mechanism is active at this length.
+PLANS = {
+    "hysparse": ["--full-layers", "0,3", "--block-size", "8", "--topk-blocks", "3", "--swa-window", "16"],
+    "hysparse2": ["--topk-tokens", "16", "--recent-window", "8", "--swa-window", "16"],
+}
+
+
+@pytest.fixture(autouse=True)
+def _two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(min(2, before))
+    yield
+    torch.set_num_threads(before)
+
+
+def _peaked(model, seed: int) -> None:
+    """Random weights with attention far from uniform, so selection and sharing matter."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = model.config.hidden_size
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * noise)
+            elif name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.copy_(noise * (4.0 / hidden) ** 0.5)
+            else:
+                p.copy_(noise / p.shape[-1] ** 0.5)
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """{"teacher", "hysparse", "hysparse2"} -> checkpoint directories."""
+    root = tmp_path_factory.mktemp("recovery")
+    tok = build_hf_tokenizer(8192)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=True)
+    torch.manual_seed(0)
+    teacher = LlamaForCausalLM(config).eval()
+    _peaked(teacher, 0)
+    teacher.save_pretrained(root / "teacher")
+    tok.save_pretrained(root / "teacher")
+    out = {"teacher": root / "teacher"}
+    for arch, plan in PLANS.items():
+        assert convert.main(["--src", str(root / "teacher"), "--dst", str(root / arch), "--arch", arch, *plan]) == 0
+        out[arch] = root / arch
+    return out

@@ -1,0 +1,148 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What recovery trains, and the delta: attach, merge, save, apply, refuse a wrong base."""
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+
+from vllm_hysparse.recovery import __main__ as cli
+from vllm_hysparse.recovery.lora import LoRALinear, apply_delta, attach_lora, delta_state
+from vllm_hysparse.reference.modeling_hysparse import HySparseFullAttention
+from vllm_hysparse.reference.modeling_hysparse2 import SelfFullAttention
+
+RANK, ALPHA = 4, 8.0
+
+
+def _load(path):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+def _randomise_trainable(model, seed):
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+
+
+@pytest.mark.parametrize("arch", ["hysparse", "hysparse2"])
+def test_attach_starts_as_the_converted_model_and_trains_only_converted_layers(checkpoints, arch):
+    model = _load(checkpoints[arch])
+    ids = torch.randint(0, model.config.vocab_size, (1, 64))
+    with torch.no_grad():
+        before = model(ids, use_cache=False).logits
+    params = attach_lora(model, RANK, ALPHA)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, use_cache=False).logits, before, atol=0, rtol=0)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert {id(p) for p in params} == {id(p) for p in model.parameters() if p.requires_grad}
+    for i, layer in enumerate(model.model.layers):
+        attn, prefix = layer.self_attn, f"model.layers.{i}."
+        mine = {n for n in trainable if n.startswith(prefix)}
+        if isinstance(attn, (HySparseFullAttention, SelfFullAttention)):
+            assert not mine, f"layer {i} is the teacher's own layer and must stay frozen"
+            continue
+        linears = [n for n, c in attn.named_children() if isinstance(c, LoRALinear)]
+        assert linears and all(not isinstance(c, torch.nn.Linear) for _, c in attn.named_children())
+        expected = {f"{prefix}self_attn.{n}.lora_{ab}" for n in linears for ab in "AB"}
+        expected |= {f"{prefix}self_attn.{n}" for n, _ in attn.named_parameters()
+                     if n.endswith(("sinks", "bridge_norm.weight"))}
+        assert mine == expected
+    assert not any("mlp" in n or "embed" in n or "layernorm" in n for n in trainable)
+
+
+@pytest.mark.parametrize("arch", ["hysparse", "hysparse2"])
+def test_delta_rebuilds_the_trained_model(checkpoints, arch, tmp_path):
+    """apply(base, delta) has base + (alpha / r) B @ A in every wrapped weight, computed here by hand."""
+    trained = _load(checkpoints[arch])
+    attach_lora(trained, RANK, ALPHA)
+    _randomise_trainable(trained, int(torch.randint(1 << 30, ())))
+    tensors, meta = delta_state(trained)
+    base_sd = _load(checkpoints[arch]).state_dict()
+    rebuilt = _load(checkpoints[arch])
+    apply_delta(rebuilt, tensors, meta)
+    checked = 0
+    for name, value in rebuilt.state_dict().items():
+        module = name.rsplit(".", 1)[0]
+        if f"{module}.lora_A" in tensors and name.endswith(".weight"):
+            a, b = tensors[f"{module}.lora_A"], tensors[f"{module}.lora_B"]
+            torch.testing.assert_close(value, base_sd[name] + ALPHA / RANK * b @ a)
+            checked += 1
+        elif name in tensors:
+            torch.testing.assert_close(value, tensors[name])
+        else:
+            torch.testing.assert_close(value, base_sd[name], atol=0, rtol=0)
+    assert checked == sum(k.endswith("lora_A") for k in tensors) > 0
+    ids = torch.randint(0, trained.config.vocab_size, (1, 80))
+    with torch.no_grad():
+        torch.testing.assert_close(rebuilt(ids, use_cache=False).logits, trained(ids, use_cache=False).logits,
+                                   atol=1e-4, rtol=1e-4)
+
+
+def _write_delta(model, path):
+    tensors, meta = delta_state(model)
+    path.mkdir()
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / cli.DELTA_FILE), metadata=meta)
+    return tensors, meta
+
+
+@pytest.fixture
+def hysparse_delta(checkpoints, tmp_path):
+    model = _load(checkpoints["hysparse"])
+    attach_lora(model, RANK, ALPHA)
+    _randomise_trainable(model, 3)
+    return _write_delta(model, tmp_path / "delta")
+
+
+def _run_apply(capsys, *argv):
+    rc = cli.main(["apply", *map(str, argv)])
+    return rc, capsys.readouterr().err
+
+
+def test_apply_cli_writes_a_loadable_checkpoint(checkpoints, hysparse_delta, tmp_path, capsys):
+    rc, err = _run_apply(capsys, "--base", checkpoints["hysparse"], "--delta", tmp_path / "delta",
+                         "--out", tmp_path / "out")
+    assert rc == 0, err
+    model = _load(tmp_path / "out")
+    name = next(k for k in hysparse_delta[0] if k.endswith("sinks"))
+    torch.testing.assert_close(dict(model.named_parameters())[name], hysparse_delta[0][name])
+
+
+def _perturbed_base(src, dst):
+    model = _load(src)
+    with torch.no_grad():
+        model.model.layers[1].self_attn.q_proj.weight[0, 0] += 1e-3
+    model.save_pretrained(dst)
+    return dst
+
+
+@pytest.mark.parametrize("case", ["other base", "other arch", "no delta", "truncated", "bad shape", "unknown name"])
+def test_apply_refuses_bad_input_with_one_line_and_writes_nothing(checkpoints, hysparse_delta, tmp_path, capsys,
+                                                                  case):
+    tensors, meta = hysparse_delta
+    base, delta = checkpoints["hysparse"], tmp_path / "delta"
+    if case == "other base":
+        base = _perturbed_base(base, tmp_path / "perturbed")
+    elif case == "other arch":
+        base = checkpoints["hysparse2"]
+    elif case == "no delta":
+        delta = tmp_path / "absent"
+    elif case == "truncated":
+        data = (delta / cli.DELTA_FILE).read_bytes()
+        (delta / cli.DELTA_FILE).write_bytes(data[: len(data) // 2])
+    else:
+        bad = dict(tensors)
+        key = next(k for k in bad if k.endswith("lora_A"))
+        if case == "bad shape":
+            bad[key] = bad[key][:, :-1].contiguous()
+        else:
+            bad[key.replace("layers.1", "layers.0")] = bad.pop(key)
+            bad[key.replace("layers.1", "layers.0").replace("lora_A", "lora_B")] = bad.pop(
+                key.replace("lora_A", "lora_B"))
+        save_file(bad, str(delta / cli.DELTA_FILE), metadata=meta)
+    rc, err = _run_apply(capsys, "--base", base, "--delta", delta, "--out", tmp_path / "out")
+    assert rc == 2
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
+    assert not list(tmp_path.glob(".out*"))

@@ -1,0 +1,143 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Recovery stages on a small converted model: each improves what it optimises; the CLI writes a usable delta."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from vllm_hysparse.recovery import __main__ as cli
+from vllm_hysparse.recovery.local import TeacherForced, relative_mse, teacher_activations
+from vllm_hysparse.recovery.lora import attach_lora, converted_attention
+from vllm_hysparse.recovery.train import Clock, CoverageTerm, HeldOut, end_to_end, local_transfer
+
+
+def _load(path):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+def _windows(n, vocab, seed, t=96):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (1, t), generator=gen) for _ in range(n)]
+
+
+def _layers(student):
+    return [int(p.split(".")[2]) for p in converted_attention(student)]
+
+
+@pytest.mark.parametrize("arch", ["hysparse", "hysparse2"])
+def test_teacher_forcing_feeds_every_layer_the_teacher_stream(checkpoints, arch):
+    """With the converted layers' attention replaced by the teacher's outputs, the forced run's layer
+    inputs are the teacher's: checked by recording the student's attention inputs."""
+    teacher, student = _load(checkpoints["teacher"]), _load(checkpoints[arch])
+    ids = _windows(1, teacher.config.vocab_size, 1)[0]
+    acts = teacher_activations(teacher, ids, _layers(student))
+    seen = {}
+    hooks = [layer.register_forward_pre_hook(lambda m, a, i=i: seen.__setitem__(i, a[0].detach()))
+             for i, layer in enumerate(student.model.layers)]
+    try:
+        with torch.no_grad():
+            outputs = TeacherForced(student).run(acts)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert sorted(outputs) == sorted(acts.attn_out) == _layers(student)
+    for i, h in seen.items():
+        torch.testing.assert_close(h, acts.hidden[i], atol=0, rtol=0)
+    # Independently: the teacher's hidden states from transformers' own output.
+    ref = teacher(ids, output_hidden_states=True).hidden_states
+    for i in range(len(acts.hidden)):
+        torch.testing.assert_close(acts.hidden[i], ref[i], atol=1e-5, rtol=1e-5)
+    # The student's MLPs are back after the forced run.
+    assert all(type(layer.mlp).__name__ == "MLP" for layer in student.model.layers)
+
+
+@pytest.mark.parametrize("arch", ["hysparse", "hysparse2"])
+def test_stage1_lowers_the_layer_local_error(checkpoints, arch):
+    teacher, student = _load(checkpoints["teacher"]), _load(checkpoints[arch])
+    params = attach_lora(student, 8, 16.0)
+    windows = _windows(6, teacher.config.vocab_size, int(torch.randint(1 << 30, ())))
+    probe = teacher_activations(teacher, windows[0], _layers(student))
+    forced = TeacherForced(student)
+
+    def error():
+        with torch.no_grad():
+            return float(relative_mse(forced.run(probe), probe.attn_out))
+
+    before = error()
+    heldout = HeldOut.build(teacher, windows[-1:])
+    curve = []
+    result = local_transfer(teacher, student, windows[:-1], params, minutes=10, max_steps=30, lr=1e-2,
+                            clock=Clock(), heldout=heldout, curve=curve, evals=2)
+    after = error()
+    assert result["steps"] == 30
+    assert after < 0.9 * before, (before, after)
+    assert len(curve) == 2 and all(p["stage"].startswith("stage 1") for p in curve)
+    assert curve[-1]["cpu_minutes"] >= curve[0]["cpu_minutes"] > 0
+
+
+@pytest.mark.parametrize("arch", ["hysparse", "hysparse2"])
+def test_stage2_lowers_kl(checkpoints, arch):
+    teacher, student = _load(checkpoints["teacher"]), _load(checkpoints[arch])
+    params = attach_lora(student, 8, 16.0)
+    windows = _windows(4, teacher.config.vocab_size, int(torch.randint(1 << 30, ())))
+    heldout = HeldOut.build(teacher, windows[:1])  # a training window: this checks the optimisation
+    before = heldout.evaluate(student)["heldout_kl"]
+    curve = []
+    end_to_end(teacher, student, windows, params, minutes=10, max_steps=20, lr=1e-2, clock=Clock(),
+               heldout=heldout, curve=curve, evals=1)
+    assert curve[-1]["heldout_kl"] < 0.8 * before, (before, curve[-1])
+
+
+@pytest.mark.parametrize("arch", ["hysparse", "hysparse2"])
+def test_coverage_term_raises_coverage(checkpoints, arch):
+    """With a large coverage weight, stage 2 moves each sparse layer's own attention onto its selection."""
+    teacher, student = _load(checkpoints["teacher"]), _load(checkpoints[arch])
+    params = attach_lora(student, 8, 16.0)
+    windows = _windows(2, teacher.config.vocab_size, int(torch.randint(1 << 30, ())))
+
+    def coverage():
+        term = CoverageTerm(student)
+        with term, torch.no_grad():
+            student(windows[0], use_cache=False)
+        return 1 - float(term.take())
+
+    before = coverage()
+    end_to_end(teacher, student, windows, params, coverage_weight=20.0, minutes=10, max_steps=10, lr=1e-2,
+               clock=Clock(), heldout=HeldOut.build(teacher, windows[:1]), curve=[], evals=1)
+    after = coverage()
+    assert after > before + 0.03, (before, after)
+
+
+def test_cli_train_then_apply_gives_the_same_checkpoint(checkpoints, tmp_path, capsys):
+    delta, out, rebuilt = tmp_path / "delta", tmp_path / "recovered", tmp_path / "rebuilt"
+    rc = cli.main(["train", "--teacher", str(checkpoints["teacher"]), "--student", str(checkpoints["hysparse"]),
+                   "--delta", str(delta), "--out", str(out), "--stage1-minutes", "0.05", "--stage2-minutes", "0.05",
+                   "--rank", "4", "--seq-len", "64", "--stage2-seq-len", "64", "--windows", "4",
+                   "--train-chars", "40000", "--heldout-windows", "1", "--heldout-seq-len", "64"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    report = json.loads((delta / cli.REPORT_FILE).read_text())
+    assert [p["stage"] for p in report["curve"]][0] == "converted"
+    assert {s["stage"][:7] for s in report["stages"]} == {"stage 1", "stage 2"}
+    assert (delta / "curve.png").stat().st_size > 1000
+    tensors = load_file(str(delta / cli.DELTA_FILE))
+    assert all(t.dtype == torch.bfloat16 for t in tensors.values())
+    assert report["trainable_parameters"] == sum(t.numel() for t in tensors.values())
+    assert cli.main(["apply", "--base", str(checkpoints["hysparse"]), "--delta", str(delta), "--out",
+                     str(rebuilt)]) == 0
+    a, b, base = load_file(str(out / "model.safetensors")), load_file(str(rebuilt / "model.safetensors")), \
+        load_file(str(checkpoints["hysparse"] / "model.safetensors"))
+    assert a.keys() == b.keys() == base.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], base[k]) for k in a), "training changed nothing"
+
+
+def test_cli_train_refuses_a_dense_student(checkpoints, tmp_path, capsys):
+    rc = cli.main(["train", "--teacher", str(checkpoints["teacher"]), "--student", str(checkpoints["teacher"]),
+                   "--delta", str(tmp_path / "delta"), "--stage1-minutes", "0", "--stage2-minutes", "0"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: ") and "not a hysparse or hysparse2" in err and err.count("\n") == 1
+    assert not (tmp_path / "delta").exists()

@@ -1,0 +1,181 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Recover a converted student: stage 1 (layer-local transfer), stage 2 (end-to-end KL), then a delta.
+
+    python -m vllm_hysparse.recovery train --teacher dense/ --student converted/ --delta delta/ \\
+        [--out recovered/] [--stage1-minutes 15] [--stage2-minutes 30]
+    python -m vllm_hysparse.recovery apply --base converted/ --delta delta/ --out recovered/
+
+`train` writes `delta/delta.safetensors` (LoRA factors, sinks and bridge
+norms in bf16, with the rank and a digest of the base weights) and
+`delta/recovery.json` (settings, stages and the held-out KL per CPU-minute),
+plus `delta/curve.png`; with `--out` it also writes the recovered checkpoint,
+rebuilt from the delta exactly as `apply` does. Training text is the Python
+standard library and installed package descriptions, held-out text the Python
+reference documentation (`recovery.corpus`). Both stages run on `--device
+cuda` when one is there.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, safe_open, save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
+
+import vllm_hysparse  # noqa: F401  (registers our configs and models)
+from vllm_hysparse.distill import save as save_checkpoint
+from vllm_hysparse.recovery import corpus
+from vllm_hysparse.recovery.lora import apply_delta, attach_lora, delta_state
+from vllm_hysparse.recovery.train import Clock, HeldOut, end_to_end, local_transfer
+from vllm_hysparse.tools.staging import staged_output
+
+DELTA_FILE, REPORT_FILE = "delta.safetensors", "recovery.json"
+
+
+def windows_of(tokenizer, text: str, seq_len: int, count: int) -> list[torch.Tensor]:
+    """Up to `count` non-overlapping `[1, seq_len]` windows, spread evenly over the text."""
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    n = len(ids) // seq_len
+    if n == 0:
+        raise ValueError(f"the text has {len(ids)} tokens, fewer than one window of {seq_len}")
+    picks = sorted({round(i * (n - 1) / max(count - 1, 1)) for i in range(min(count, n))})
+    return [torch.tensor([ids[i * seq_len:(i + 1) * seq_len]]) for i in picks]
+
+
+def load_student(path: str, device):
+    student = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    if student.config.model_type not in ("hysparse", "hysparse2"):
+        raise ValueError(f"{path} is a {student.config.model_type} checkpoint, not a hysparse or hysparse2 one")
+    return student
+
+
+def read_delta(path: Path) -> tuple[dict, dict]:
+    file = path / DELTA_FILE
+    if not file.is_file():
+        raise ValueError(f"{path}: no {DELTA_FILE} (is it a delta written by `recovery train`?)")
+    try:
+        with safe_open(str(file), "pt") as f:
+            meta = f.metadata() or {}
+        return load_file(str(file)), meta
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{file}: unreadable delta ({e})") from None
+
+
+def rebuild(base: str, delta: Path, out: Path, force: bool) -> None:
+    """The recovered checkpoint: `base` plus the delta, written through a temporary directory."""
+    model = load_student(base, "cpu")
+    apply_delta(model, *read_delta(delta))
+    save_checkpoint(model, base, out, force)
+
+
+def plot_curve(curve: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for stage in dict.fromkeys(p["stage"] for p in curve):
+        pts = [p for p in curve if p["stage"] == stage]
+        ax.plot([p["cpu_minutes"] for p in pts], [p["heldout_kl"] for p in pts], marker="o", label=stage)
+    ax.set(xlabel="CPU minutes (all threads)", ylabel="held-out KL(teacher ‖ student)", yscale="log",
+           title="recovery: quality per CPU-minute")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def train(args) -> dict:
+    device = args.device
+    torch.manual_seed(args.seed)
+    tokenizer = AutoTokenizer.from_pretrained(args.student)
+    teacher = AutoModelForCausalLM.from_pretrained(args.teacher, dtype=torch.float32).to(device).eval()
+    teacher.requires_grad_(False)
+    student = load_student(args.student, device)
+    text = corpus.training_text(args.train_chars, args.seed)
+    heldout = HeldOut.build(teacher, [w.to(device) for w in windows_of(
+        tokenizer, corpus.heldout_text(), args.heldout_seq_len, args.heldout_windows)])
+    params = attach_lora(student, args.rank, args.alpha)
+    clock, curve = Clock(), []
+    curve.append({"stage": "converted", "step": 0, "train_minutes": 0.0, "wall_minutes": 0.0, "cpu_minutes": 0.0,
+                  **heldout.evaluate(student)})
+    common = dict(clock=clock, heldout=heldout, curve=curve, seed=args.seed)
+    stages = []
+    if args.stage1_minutes > 0:
+        w1 = [w.to(device) for w in windows_of(tokenizer, text, args.seq_len, args.windows)]
+        stages.append(local_transfer(teacher, student, w1, params, minutes=args.stage1_minutes, lr=args.lr1,
+                                     **common))
+    if args.stage2_minutes > 0:
+        w2 = [w.to(device) for w in windows_of(tokenizer, text, args.stage2_seq_len, args.windows)]
+        stages.append(end_to_end(teacher, student, w2, params, coverage_weight=args.coverage_weight,
+                                 minutes=args.stage2_minutes, lr=args.lr2, **common))
+    tensors, meta = delta_state(student)
+    report = {"teacher": args.teacher, "student": args.student, "settings": {
+        k: v for k, v in vars(args).items() if k not in ("func", "teacher", "student", "delta", "out", "force")},
+        "trainable_parameters": sum(t.numel() for t in tensors.values()), "stages": stages, "curve": curve,
+        "torch": torch.__version__, "threads": torch.get_num_threads()}
+    with staged_output(Path(args.delta)) as tmp:
+        save_file({k: v.to(torch.bfloat16).contiguous().cpu() for k, v in tensors.items()}, str(tmp / DELTA_FILE),
+                  metadata=meta)
+        (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2))
+        plot_curve(curve, tmp / "curve.png")
+    if args.out:
+        rebuild(args.student, Path(args.delta), Path(args.out), args.force)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="run stage 1 and stage 2, write the delta")
+    t.add_argument("--teacher", required=True, help="dense teacher checkpoint")
+    t.add_argument("--student", required=True, help="converted HySparse / HySparse2 checkpoint (the delta's base)")
+    t.add_argument("--delta", required=True, help="output directory for the delta and its report")
+    t.add_argument("--out", help="also write the recovered checkpoint here")
+    t.add_argument("--force", action="store_true", help="replace an existing --out")
+    t.add_argument("--stage1-minutes", type=float, default=15.0)
+    t.add_argument("--stage2-minutes", type=float, default=30.0)
+    t.add_argument("--rank", type=int, default=16)
+    t.add_argument("--alpha", type=float, default=32.0)
+    t.add_argument("--lr1", type=float, default=2e-3, help="stage 1 peak learning rate")
+    t.add_argument("--lr2", type=float, default=3e-4, help="stage 2 peak learning rate")
+    t.add_argument("--seq-len", type=int, default=1024, help="stage 1 window length")
+    t.add_argument("--stage2-seq-len", type=int, default=512)
+    t.add_argument("--windows", type=int, default=64, help="training windows per stage")
+    t.add_argument("--train-chars", type=int, default=2_000_000)
+    t.add_argument("--coverage-weight", type=float, default=0.0, help="stage 2: weight of the coverage term 1 - M")
+    t.add_argument("--heldout-windows", type=int, default=2)
+    t.add_argument("--heldout-seq-len", type=int, default=1024)
+    t.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    t.add_argument("--seed", type=int, default=0)
+    a = sub.add_parser("apply", help="rebuild the recovered checkpoint from its base and a delta")
+    a.add_argument("--base", required=True, help="the converted checkpoint the delta was trained on")
+    a.add_argument("--delta", required=True)
+    a.add_argument("--out", required=True)
+    a.add_argument("--force", action="store_true")
+    args = parser.parse_args(argv)
+    # Errors are one line on stderr; transformers' per-checkpoint loading bars would bury them.
+    hf_logging.disable_progress_bar()
+    try:
+        if args.command == "apply":
+            rebuild(args.base, Path(args.delta), Path(args.out), args.force)
+            print(f"wrote {args.out} ({args.base} + {args.delta})")
+            return 0
+        report = train(args)
+    except (OSError, ValueError, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    first, last = report["curve"][0], report["curve"][-1]
+    print(f"held-out KL {first['heldout_kl']:.4f} -> {last['heldout_kl']:.4f}, top-1 {first['heldout_top1']:.3f} -> "
+          f"{last['heldout_top1']:.3f} in {last['cpu_minutes']:.1f} CPU-min; wrote {args.delta}"
+          + (f" and {args.out}" if args.out else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What recovery trains, and the delta it writes: LoRA on converted attention layers, sinks, bridge norms.
+
+Conversion keeps some attention layers exactly as the teacher had them
+(HySparse full layers, the HySparse2 self-decoder full layer) and builds the
+others from the teacher's tensors: those are the layers recovery adapts.
+Each of their linear projections gets a low-rank update `W + s * B @ A`
+(`s = alpha / rank`); their sinks and bridge norms are trained in full. MLPs,
+norms elsewhere and embeddings stay frozen, so the trained state is small
+(a few MB in bf16 for SmolLM2) and is stored as a delta against the converted
+checkpoint: `apply_delta` rebuilds the recovered model from it.
+"""
+
+import hashlib
+import math
+
+import torch
+from torch import nn
+
+from vllm_hysparse.reference.modeling_hysparse import HySparseSparseAttention
+from vllm_hysparse.reference.modeling_hysparse2 import CrossFullAttention, CrossSparseAttention, SlidingAttention
+
+# Attention layers that conversion builds (rather than copies) from the teacher.
+CONVERTED_ATTENTION = (HySparseSparseAttention, SlidingAttention, CrossFullAttention, CrossSparseAttention)
+# Parameters of those layers trained in full: a few hundred numbers per layer.
+FULL_PARAMS = ("sinks", "bridge_norm.weight")
+DELTA_FORMAT = "hysparse-recovery-delta/1"
+
+
+class LoRALinear(nn.Module):
+    """`base(x) + s * (x @ A.T) @ B.T` with A `[r, in]` (random), B `[out, r]` (zero): starts as `base`."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float):
+        super().__init__()
+        self.base, self.scaling = base, alpha / rank
+        base.requires_grad_(False)
+        self.lora_A = nn.Parameter(torch.empty(rank, base.in_features, dtype=base.weight.dtype))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, dtype=base.weight.dtype))
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.base.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + (x @ self.lora_A.t()) @ self.lora_B.t() * self.scaling
+
+    def merged(self) -> nn.Linear:
+        with torch.no_grad():
+            self.base.weight += self.scaling * (self.lora_B @ self.lora_A)
+        return self.base
+
+
+def converted_attention(model) -> dict[str, nn.Module]:
+    """`{module path: attention}` of the layers recovery adapts, in layer order."""
+    return {f"model.layers.{i}.self_attn": layer.self_attn for i, layer in enumerate(model.model.layers)
+            if isinstance(layer.self_attn, CONVERTED_ATTENTION)}
+
+
+def attach_lora(model, rank: int, alpha: float) -> list[nn.Parameter]:
+    """Freeze `model`, wrap every linear of its converted attention layers; returns the trainable parameters."""
+    if rank < 1:
+        raise ValueError(f"--rank must be >= 1 (got {rank})")
+    model.requires_grad_(False)
+    trainable = []
+    for attn in converted_attention(model).values():
+        for name, child in list(attn.named_children()):
+            if isinstance(child, nn.Linear):
+                lora = LoRALinear(child, rank, alpha)
+                setattr(attn, name, lora)
+                trainable += [lora.lora_A, lora.lora_B]
+        for name, param in attn.named_parameters():
+            if name.endswith(FULL_PARAMS):
+                param.requires_grad_(True)
+                trainable.append(param)
+    return trainable
+
+
+def merge_lora(model) -> None:
+    """Fold every LoRA update into its base weight and put the plain linear back (in place)."""
+    for attn in converted_attention(model).values():
+        for name, child in list(attn.named_children()):
+            if isinstance(child, LoRALinear):
+                setattr(attn, name, child.merged())
+
+
+def _lora_modules(model) -> dict[str, LoRALinear]:
+    return {f"{path}.{name}": child for path, attn in converted_attention(model).items()
+            for name, child in attn.named_children() if isinstance(child, LoRALinear)}
+
+
+def base_digest(model, names: list[str]) -> str:
+    """sha256 of the base weights a delta's LoRA factors apply to (so a delta refuses a different base)."""
+    sd, h = model.state_dict(), hashlib.sha256()
+    for name in sorted(names):
+        w = sd.get(f"{name}.weight", sd.get(f"{name}.base.weight"))
+        h.update(name.encode())
+        h.update(w.detach().float().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def delta_state(model) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(tensors, metadata) of a model with LoRA attached: factors, full parameters, rank and base digest."""
+    loras = _lora_modules(model)
+    if not loras:
+        raise ValueError("the model has no LoRA attached")
+    tensors = {}
+    for path, lora in loras.items():
+        tensors[f"{path}.lora_A"], tensors[f"{path}.lora_B"] = lora.lora_A.detach(), lora.lora_B.detach()
+    for path, attn in converted_attention(model).items():
+        for name, param in attn.named_parameters():
+            if name.endswith(FULL_PARAMS):
+                tensors[f"{path}.{name}"] = param.detach()
+    first = next(iter(loras.values()))
+    meta = {"format": DELTA_FORMAT, "rank": str(first.lora_A.shape[0]),
+            "alpha": str(first.scaling * first.lora_A.shape[0]), "base_digest": base_digest(model, list(loras)),
+            "model_type": model.config.model_type}
+    return tensors, meta
+
+
+def apply_delta(model, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
+    """Add a delta's LoRA updates to `model`'s weights and set its full parameters (in place).
+
+    Every tensor must name a converted layer of this model with the right
+    shape, and the base weights must be the ones the delta was trained on.
+    """
+    if meta.get("format") != DELTA_FORMAT:
+        raise ValueError(f"not a recovery delta (format {meta.get('format')!r}, expected {DELTA_FORMAT!r})")
+    if meta.get("model_type") != model.config.model_type:
+        raise ValueError(f"the delta is for a {meta.get('model_type')} model, the base is {model.config.model_type}")
+    rank, alpha = int(meta["rank"]), float(meta["alpha"])
+    params = dict(model.named_parameters())
+    paths = sorted({k.rsplit(".", 1)[0] for k in tensors if k.endswith((".lora_A", ".lora_B"))})
+    full = {k: v for k, v in tensors.items() if not k.endswith((".lora_A", ".lora_B"))}
+    missing = [k for k in [f"{p}.weight" for p in paths] + list(full) if k not in params]
+    if missing:
+        raise ValueError(f"the delta names {missing[0]}, which the base model does not have")
+    if base_digest(model, paths) != meta.get("base_digest"):
+        raise ValueError("the delta was trained on a different base checkpoint (base weights digest differs)")
+    with torch.no_grad():
+        for p in paths:
+            a, b, w = tensors[f"{p}.lora_A"].float(), tensors[f"{p}.lora_B"].float(), params[f"{p}.weight"]
+            if a.shape != (rank, w.shape[1]) or b.shape != (w.shape[0], rank):
+                raise ValueError(f"{p}: LoRA factors {tuple(b.shape)} @ {tuple(a.shape)} do not fit {tuple(w.shape)}")
+            w += (alpha / rank * (b @ a)).to(w.dtype)
+        for name, value in full.items():
+            if value.shape != params[name].shape:
+                raise ValueError(f"{name}: delta shape {tuple(value.shape)} != base {tuple(params[name].shape)}")
+            params[name].copy_(value.to(params[name].dtype))

@@ -1,0 +1,157 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The two recovery stages, each on a time budget, and the quality-per-CPU-minute curve they record.
+
+Stage 1 (`local_transfer`): relative MSE of every converted attention layer
+against the teacher's, on cached teacher activations (`recovery.local`).
+Stage 2 (`end_to_end`): KL(teacher ‖ student) on logits through the whole
+student, optionally plus `coverage_weight * (1 - M)`, the mass each sparse
+layer's own dense attention puts outside the keys its selection uses.
+Both train the same parameters (`recovery.lora.attach_lora`).
+"""
+
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from vllm_hysparse.distill import kl_divergence
+from vllm_hysparse.recovery.fast_ops import fast_reference_ops
+from vllm_hysparse.recovery.local import TeacherForced, relative_mse, teacher_activations, _layer_of
+from vllm_hysparse.recovery.lora import converted_attention
+from vllm_hysparse.validate import SELECTION
+
+
+@dataclass
+class Clock:
+    """Wall and process CPU time (all threads) since the start of recovery."""
+
+    wall0: float = field(default_factory=time.perf_counter)
+    cpu0: float = field(default_factory=time.process_time)
+
+    def minutes(self) -> tuple[float, float]:
+        return (time.perf_counter() - self.wall0) / 60, (time.process_time() - self.cpu0) / 60
+
+
+@dataclass
+class HeldOut:
+    """Held-out windows and the teacher's log-probabilities on them, computed once."""
+
+    windows: list[torch.Tensor]
+    teacher_logp: list[torch.Tensor]
+
+    @classmethod
+    @torch.no_grad()
+    def build(cls, teacher, windows: list[torch.Tensor]) -> "HeldOut":
+        return cls(windows, [torch.log_softmax(teacher(w, use_cache=False).logits.float(), -1) for w in windows])
+
+    @torch.no_grad()
+    def evaluate(self, student) -> dict:
+        """KL(teacher ‖ student) and top-1 agreement averaged over every held-out row."""
+        kl = top1 = rows = 0.0
+        for w, t in zip(self.windows, self.teacher_logp):
+            s = torch.log_softmax(student(w, use_cache=False).logits.float(), -1)
+            kl += float((t.exp() * (t - s)).sum(-1).sum())
+            top1 += float((t.argmax(-1) == s.argmax(-1)).sum())
+            rows += t.shape[0] * t.shape[1]
+        return {"heldout_kl": kl / rows, "heldout_top1": top1 / rows}
+
+
+def cosine_lr(step_fraction: float, lr: float) -> float:
+    return lr * 0.5 * (1 + math.cos(math.pi * min(step_fraction, 1.0)))
+
+
+def run_stage(name: str, loss_fn, windows: list, params: list, *, minutes: float, lr: float, clock: Clock,
+              heldout: HeldOut, student, curve: list, evals: int = 4, seed: int = 0,
+              max_steps: int | None = None) -> dict:
+    """Minimise `loss_fn(window)` over random `windows` for `minutes` of wall time (or `max_steps` steps).
+
+    The learning rate follows a cosine over the budget (by elapsed time, since
+    the number of steps is not known in advance). The held-out KL is measured
+    `evals` times, evenly over the budget, into `curve` (outside the budget).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    budget_s, spent, step, losses = minutes * 60, 0.0, 0, []
+    next_eval = budget_s / evals
+    bar = tqdm(desc=name, unit="step")
+
+    def progress() -> float:
+        return step / max_steps if max_steps else spent / budget_s
+
+    while progress() < 1:
+        t0 = time.perf_counter()
+        student.train()
+        with fast_reference_ops():
+            loss = loss_fn(windows[int(torch.randint(len(windows), (1,), generator=gen))])
+            opt.zero_grad()
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        for group in opt.param_groups:
+            group["lr"] = cosine_lr(progress(), lr)
+        opt.step()
+        step, spent = step + 1, spent + time.perf_counter() - t0
+        losses.append(float(loss.detach()))
+        bar.update(1)
+        bar.set_postfix(loss=f"{losses[-1]:.4f}")
+        if progress() >= next_eval / budget_s or progress() >= 1:
+            next_eval += budget_s / evals
+            wall, cpu = clock.minutes()
+            point = {"stage": name, "step": step, "train_minutes": spent / 60, "wall_minutes": wall,
+                     "cpu_minutes": cpu, **heldout.evaluate(student)}
+            curve.append(point)
+            tqdm.write(f"[{name}] step {step}, {spent / 60:.1f} min: held-out KL {point['heldout_kl']:.4f}, "
+                       f"top-1 {point['heldout_top1']:.3f}")
+    bar.close()
+    return {"stage": name, "steps": step, "minutes": spent / 60, "lr": lr, "loss_first": losses[0],
+            "loss_last": sum(losses[-10:]) / len(losses[-10:])}
+
+
+def local_transfer(teacher, student, windows: list[torch.Tensor], params: list, **kw) -> dict:
+    """Stage 1 on `windows` (`[1, T]` token ids): caches the teacher's activations once, then trains."""
+    layers = [_layer_of(p) for p in converted_attention(student)]
+    cached = [teacher_activations(teacher, w, layers) for w in tqdm(windows, desc="teacher activations")]
+    forced = TeacherForced(student)
+    return run_stage("stage 1: layer-local transfer", lambda acts: relative_mse(forced.run(acts), acts.attn_out),
+                     cached, params, student=student, **kw)
+
+
+class CoverageTerm:
+    """Context: sums `1 - M` (mass outside the used selection) over the student's sparse layers' forwards."""
+
+    def __init__(self, student):
+        self.student, self.terms = student, []
+
+    def __enter__(self):
+        self.handles = [layer.self_attn.register_forward_pre_hook(self._record)
+                        for layer in self.student.model.layers if type(layer.self_attn) in SELECTION]
+        return self
+
+    def _record(self, attn, args):
+        measured = SELECTION[type(attn)](attn, args)
+        if measured is not None:
+            self.terms.append(1 - measured[0].mean())
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+
+    def take(self) -> torch.Tensor:
+        terms, self.terms = self.terms, []
+        return torch.stack(terms).mean() if terms else torch.zeros(())
+
+
+def end_to_end(teacher, student, windows: list[torch.Tensor], params: list, coverage_weight: float = 0.0,
+               **kw) -> dict:
+    """Stage 2: KL on the logits of every row of a window, plus the optional coverage term."""
+    def loss(ids):
+        with torch.no_grad():
+            target = teacher(ids, use_cache=False).logits
+        kl = kl_divergence(target, student(ids, use_cache=False).logits)
+        return kl + coverage_weight * coverage.take() if coverage_weight else kl
+
+    with CoverageTerm(student) if coverage_weight else nullcontext() as coverage:
+        return run_stage("stage 2: end-to-end KL", loss, windows, params, student=student, **kw)
+
