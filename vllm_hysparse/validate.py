@@ -25,6 +25,7 @@ stages only and removed afterwards; the student checkpoint is never changed.
 import argparse
 import json
 import sys
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import vllm_hysparse  # noqa: F401  (registers our configs and models)
+from vllm_hysparse.recovery.fast_ops import fast_reference_ops
 from vllm_hysparse.reference import ops
 from vllm_hysparse.reference.modeling_hysparse import HySparseSparseAttention
 from vllm_hysparse.reference.modeling_hysparse2 import CrossSparseAttention
@@ -321,7 +323,11 @@ def coverage_by_position(config, layers: dict) -> dict[int, float]:
     return {r: sum(v) / len(v) for r, v in sorted(groups.items())}
 
 
-def validate(teacher_dir: str, student_dir: str, text: str, seq_len: int = 256, max_windows: int = 4) -> dict:
+def validate(teacher_dir: str, student_dir: str, text: str, seq_len: int = 256, max_windows: int = 4,
+             fused: bool = False) -> dict:
+    """The switch-by-switch report. `fused` runs the models' attention through `recovery.fast_ops`
+    (the same math on fused attention, checked against the reference ops by its tests): much faster
+    on long windows; the coverage and recall probes always use the reference ops."""
     tokenizer = AutoTokenizer.from_pretrained(student_dir)
     teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).eval()
     student = AutoModelForCausalLM.from_pretrained(student_dir, dtype=torch.float32).eval()
@@ -337,13 +343,14 @@ def validate(teacher_dir: str, student_dir: str, text: str, seq_len: int = 256, 
                         (teacher(ids, output_hidden_states=True, use_cache=False) for ids in windows)]
     teacher_kv = teacher_cross_kv(teacher, student) if arch == "hysparse2" else None
     summaries, switches, previous = [], {}, None
-    for name, change in tqdm(STAGES[arch], desc="switches", unit="stage"):
-        switches.update(change)
-        previous = evaluate_stage(teacher_runs, student, windows, name, dict(switches), teacher_kv, previous)
-        summaries.append(previous.summary())
+    with fast_reference_ops() if fused else nullcontext():
+        for name, change in tqdm(STAGES[arch], desc="switches", unit="stage"):
+            switches.update(change)
+            previous = evaluate_stage(teacher_runs, student, windows, name, dict(switches), teacher_kv, previous)
+            summaries.append(previous.summary())
     teacher_ppl = _teacher_perplexity(teacher_runs, windows)
     return {"arch": arch, "teacher": str(teacher_dir), "student": str(student_dir), "seq_len": seq_len,
-            "windows": len(windows), "teacher_perplexity": teacher_ppl, "stages": summaries,
+            "fused_attention": fused, "windows": len(windows), "teacher_perplexity": teacher_ppl, "stages": summaries,
             "jumps": find_jumps(summaries),
             "coverage_by_position": coverage_by_position(student.config, summaries[-1]["layers"])}
 
@@ -435,10 +442,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="validation", help="report directory (report.md, report.json, plots.png)")
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--max-windows", type=int, default=4)
+    parser.add_argument("--fused-attention", action="store_true",
+                        help="run the models' attention on fused kernels (same math; for long windows)")
     args = parser.parse_args(argv)
     try:
         text = Path(args.text).read_text(encoding="utf-8", errors="replace")
-        report = validate(args.teacher, args.student, text, args.seq_len, args.max_windows)
+        report = validate(args.teacher, args.student, text, args.seq_len, args.max_windows, args.fused_attention)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

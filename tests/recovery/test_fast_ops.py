@@ -123,3 +123,23 @@ def test_whole_model_logits_and_gradients(checkpoints, arch):
     for a, b in zip(g_ref, g_twin):
         if a is not None:
             torch.testing.assert_close(b, a, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("arch", ["hysparse", "hysparse2"])
+def test_validation_report_is_the_same_with_fused_attention(checkpoints, arch):
+    from vllm_hysparse import validate
+    from vllm_hysparse.recovery.corpus import heldout_text
+
+    text = heldout_text()[:20000]
+    plain = validate.validate(str(checkpoints["teacher"]), str(checkpoints[arch]), text, seq_len=96, max_windows=1)
+    fused = validate.validate(str(checkpoints["teacher"]), str(checkpoints[arch]), text, seq_len=96, max_windows=1,
+                              fused=True)
+    assert fused["fused_attention"] and not plain["fused_attention"]
+    assert len(plain["stages"]) == len(fused["stages"]) > 2
+    for a, b in zip(plain["stages"], fused["stages"]):
+        assert a["stage"] == b["stage"]
+        for key in ("kl", "top1", "perplexity"):
+            assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-5), (a["stage"], key)
+        for i, row in a["layers"].items():
+            for key, value in row.items():
+                assert b["layers"][i][key] == pytest.approx(value, rel=1e-3, abs=1e-4), (a["stage"], i, key)
