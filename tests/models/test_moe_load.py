@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""MoE checkpoints that do not fit their config fail vLLM's load with one line naming the tensor,
-and an expert-parallel size that does not divide the experts is refused."""
+"""MoE checkpoints that do not fit their config fail vLLM's load with one line naming the tensor;
+expert parallelism is refused on CPU and where its size does not divide the experts."""
 
 import json
 import os
@@ -33,12 +33,23 @@ CASES = {
 def test_expert_parallel_size_must_divide_experts():
     from vllm_hysparse.models.common import check_expert_parallel
 
-    check_expert_parallel(8, SimpleNamespace(use_ep=True, ep_size=4))
-    check_expert_parallel(8, SimpleNamespace(use_ep=False, ep_size=3))
+    check_expert_parallel(8, SimpleNamespace(use_ep=True, ep_size=4), on_cpu=False)
+    check_expert_parallel(8, SimpleNamespace(use_ep=False, ep_size=3), on_cpu=True)
     with pytest.raises(ValueError) as info:
-        check_expert_parallel(8, SimpleNamespace(use_ep=True, ep_size=3))
+        check_expert_parallel(8, SimpleNamespace(use_ep=True, ep_size=3), on_cpu=False)
     message = str(info.value)
     assert "num_experts=8" in message and "expert-parallel size 3" in message and "\n" not in message
+
+
+def test_expert_parallel_is_refused_on_cpu():
+    """vLLM's CPU MoE kernel ignores the expert map and crashes under EP (seen: a segfault in
+    cpu_fused_moe at TP=2 with enable_expert_parallel); we refuse it with one line instead."""
+    from vllm_hysparse.models.common import check_expert_parallel
+
+    with pytest.raises(ValueError) as info:
+        check_expert_parallel(8, SimpleNamespace(use_ep=True, ep_size=2), on_cpu=True)
+    message = str(info.value)
+    assert message.startswith("enable_expert_parallel: ") and "\n" not in message
 
 
 def test_offline_llm_refuses_mismatched_moe_checkpoints(tmp_path):

@@ -16,6 +16,7 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader,
 from vllm.model_executor.models.qwen2 import Qwen2MLP
 from vllm.model_executor.models.qwen3_moe import Qwen3MoeMLP
 from vllm.model_executor.models.utils import extract_layer_index
+from vllm.platforms import current_platform
 
 from vllm_hysparse.configs.base import HySparseBaseConfig, kv_report
 from vllm_hysparse.configs.tensors import (
@@ -72,13 +73,20 @@ def out_proj(config: HySparseBaseConfig, prefix: str) -> RowParallelLinear:
                              prefix=f"{prefix}.o_proj")
 
 
-def check_expert_parallel(num_experts: int, moe_parallel_config) -> None:
-    """Refuse an expert-parallel size that does not divide `num_experts`.
+def check_expert_parallel(num_experts: int, moe_parallel_config, on_cpu: bool) -> None:
+    """Refuse expert parallelism that cannot run: on CPU, or with a size that does not divide `num_experts`.
 
-    vLLM would give some ranks one expert more; we want every rank to hold and
-    run the same number of experts (and EPLB requires it anyway).
+    vLLM 0.32's CPU MoE kernel ignores the expert map, so with EP it indexes
+    its local experts with global ids and crashes (a segfault in
+    `cpu_fused_moe`). An uneven split vLLM would allow; we want every rank to
+    hold and run the same number of experts (and EPLB requires it anyway).
     """
-    if moe_parallel_config.use_ep and num_experts % moe_parallel_config.ep_size:
+    if not moe_parallel_config.use_ep:
+        return
+    if on_cpu:
+        raise ValueError("enable_expert_parallel: vLLM's CPU MoE kernel does not support expert parallelism "
+                         "(it ignores the expert map); use tensor parallelism on CPU")
+    if num_experts % moe_parallel_config.ep_size:
         raise ValueError(f"num_experts={num_experts} must be divisible by the expert-parallel size "
                          f"{moe_parallel_config.ep_size} (tensor x data parallel) with enable_expert_parallel")
 
@@ -107,7 +115,8 @@ class SparseMoeBlock(nn.Module):
             num_experts=config.num_experts, top_k=config.num_experts_per_tok, hidden_size=e,
             intermediate_size=config.moe_intermediate_size, renormalize=config.norm_topk_prob,
             prefix=f"{prefix}.experts", gate=self.gate, shared_experts=self.shared_expert)
-        check_expert_parallel(config.num_experts, self.experts.moe_config.moe_parallel_config)
+        check_expert_parallel(config.num_experts, self.experts.moe_config.moe_parallel_config,
+                              current_platform.is_cpu())
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """`[T, hidden]` -> `[T, hidden]`; the runner applies the gate, so the logits argument is the input."""
