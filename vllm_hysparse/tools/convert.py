@@ -682,8 +682,8 @@ def _layer_list(text: str) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--src", required=True, help="HF checkpoint (Llama, Qwen2, Qwen3, Mistral, Qwen3-MoE, Qwen2-MoE), or a .gguf "
-                   "file of one (imported first, see vllm_hysparse.tools.import_gguf)")
+    p.add_argument("--src", required=True, help="HF checkpoint (Llama, Qwen2, Qwen3, Mistral, Qwen3-MoE, "
+                   "Qwen2-MoE), or a .gguf file of one (imported first, see vllm_hysparse.tools.import_gguf)")
     p.add_argument("--dst", required=True, help="directory to create")
     p.add_argument("--arch", choices=sorted(CONFIG_CLASSES), required=True)
     full = p.add_mutually_exclusive_group()

@@ -3,8 +3,9 @@
 
 `tiny` runs in seconds on a CPU (tests), `tiny_moe` is `tiny` with MoE MLPs
 (SPEC §2.6), `small` is about 100M parameters (benchmarks), `paper` is the
-80B-A3B / 49-layer MoE layout of each paper (config only, for KV accounting). Sizes are chosen so that short prompts already cross
-blocks and windows: tiny selects 2 blocks of 16 and windows of 32.
+80B-A3B / 49-layer MoE layout of each paper (config only, for KV accounting).
+Sizes are chosen so that short prompts already cross blocks and windows: tiny
+selects 2 blocks of 16 and windows of 32.
 """
 
 F, S, W = "full_attention", "sparse_attention", "sliding_attention"
