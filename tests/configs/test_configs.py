@@ -51,6 +51,14 @@ def test_hysparse2_defaults_follow_spec():
     assert (c.gate_type, c.use_sinks, c.qk_norm) == ("elementwise", True, False)
 
 
+def test_moe_defaults_are_dense_and_follow_spec():
+    c = HySparseConfig(**HS)
+    assert (c.num_experts, c.shared_expert_intermediate_size, c.mlp_only_layers) == (0, 0, [])
+    assert not any(c.is_moe_layer(i) for i in range(c.num_hidden_layers))
+    m = HySparse2Config(**H2, num_experts=8, num_experts_per_tok=8, moe_intermediate_size=16, mlp_only_layers=[3])
+    assert [m.is_moe_layer(i) for i in range(m.num_hidden_layers)] == [i != 3 for i in range(8)]
+
+
 def test_hysparse_oracle_layer():
     assert HySparseConfig(**HS).oracle_layer == {1: 0, 2: 0, 4: 3, 5: 3}
     c = HySparseConfig(**dict(HS, layer_types=[FULL, FULL, SPARSE, FULL]))
@@ -105,6 +113,19 @@ COMMON_BAD = [
     ("rope_scaling.rope_type", dict(rope_scaling={"rope_type": "bogus", "factor": 2.0})),
     ("rope_scaling.factor", dict(rope_scaling={"rope_type": "linear"})),
     ("rope_scaling.factor", dict(rope_scaling={"rope_type": "linear", "factor": -1.0})),
+    # MoE (SPEC §2.6)
+    ("num_experts", dict(num_experts=-1)),
+    ("num_experts", dict(num_experts=2.0)),
+    ("num_experts_per_tok", dict(num_experts=4, num_experts_per_tok=5)),
+    ("num_experts_per_tok", dict(num_experts=4, num_experts_per_tok=0)),
+    ("moe_intermediate_size", dict(num_experts=4, moe_intermediate_size=0)),
+    ("norm_topk_prob", dict(num_experts=4, norm_topk_prob="true")),
+    ("shared_expert_intermediate_size", dict(num_experts=4, shared_expert_intermediate_size=-8)),
+    ("shared_expert_intermediate_size", dict(shared_expert_intermediate_size=16)),  # dense model
+    ("mlp_only_layers[1]", dict(num_experts=4, mlp_only_layers=[0, 99])),
+    ("mlp_only_layers[0]", dict(num_experts=4, mlp_only_layers=[-1])),
+    ("mlp_only_layers[0]", dict(num_experts=4, mlp_only_layers=[True])),
+    ("mlp_only_layers", dict(num_experts=4, mlp_only_layers=[2, 2])),
 ]
 
 HS_BAD = COMMON_BAD + [
@@ -190,10 +211,12 @@ def test_validation_message_names_field_first():
     (HySparseConfig, dict(HS, gate_type="headwise", qk_norm=True, attention_bias=True, use_sinks=False,
                           tie_word_embeddings=True, rope_theta=123456.0,
                           rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    (HySparseConfig, dict(HS, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                          norm_topk_prob=True, shared_expert_intermediate_size=24, mlp_only_layers=[0, 3])),
     (HySparse2Config, H2),
     (HySparse2Config, dict(H2_TWO, full_rope=True, score_head_reduce="sum", swa_rope_theta=777.0,
                            gate_type="headwise", rope_theta=50000.0)),
-], ids=["hysparse", "hysparse-nondefault", "hysparse2", "hysparse2-nondefault"])
+], ids=["hysparse", "hysparse-nondefault", "hysparse-moe", "hysparse2", "hysparse2-nondefault"])
 def test_save_load_round_trip_keeps_every_field(cls, kw, tmp_path):
     c = cls(**kw)
     c.save_pretrained(tmp_path)

@@ -178,9 +178,36 @@ def lin(sd, name, x):
     return y
 
 
-def mlp(sd, p, x):
-    g = lin(sd, p + "mlp.gate_proj", x)
-    return lin(sd, p + "mlp.down_proj", g * torch.sigmoid(g) * lin(sd, p + "mlp.up_proj", x))
+def swiglu(sd, p, x):
+    g = lin(sd, p + ".gate_proj", x)
+    return lin(sd, p + ".down_proj", g * torch.sigmoid(g) * lin(sd, p + ".up_proj", x))
+
+
+def moe(sd, c, p, x):
+    """SPEC §2.6 MoE MLP `p + "mlp"`, token by token: softmax router, the k most probable experts
+    (renormalised when `norm_topk_prob`), plus the sigmoid-gated shared expert if there is one."""
+    flat = x.reshape(-1, x.shape[-1]).to(F64)
+    out = torch.zeros_like(flat)
+    for n, xt in enumerate(flat):
+        logits = lin(sd, p + "mlp.gate", xt)
+        probs = torch.exp(logits - logits.max())
+        probs = probs / probs.sum()
+        chosen = sorted(range(len(probs)), key=lambda e: -float(probs[e]))[: c["num_experts_per_tok"]]
+        weights = [float(probs[e]) for e in chosen]
+        if c["norm_topk_prob"]:
+            weights = [w / sum(weights) for w in weights]
+        for e, w in zip(chosen, weights):
+            out[n] += w * swiglu(sd, f"{p}mlp.experts.{e}", xt)
+        if p + "mlp.shared_expert_gate.weight" in sd:
+            out[n] += torch.sigmoid(lin(sd, p + "mlp.shared_expert_gate", xt)) * swiglu(sd, p + "mlp.shared_expert", xt)
+    return out.view(x.shape)
+
+
+def mlp(sd, c, p, x):
+    """The MLP of layer prefix `p`: MoE when the layer has a router, else dense SwiGLU."""
+    if p + "mlp.gate.weight" in sd:
+        return moe(sd, c, p, x)
+    return swiglu(sd, p + "mlp", x)
 
 
 def heads(x, d):
@@ -245,7 +272,7 @@ def hysparse_forward(sd, c, ids, sparse_selection=True, kv_sharing=True, swa_bra
             gw = torch.sigmoid(lin(sd, a + "swa_gate_proj", x)).view(bsz, T, nh, -1)
             o = gs * o_sa + gw * o_w
         h = h + lin(sd, a + "o_proj", o.reshape(bsz, T, nh * d))
-        h = h + mlp(sd, p, rms(h, sd[p + "post_attention_layernorm.weight"], eps))
+        h = h + mlp(sd, c, p, rms(h, sd[p + "post_attention_layernorm.weight"], eps))
     return lm_logits(sd, c, h)
 
 
@@ -320,5 +347,5 @@ def hysparse2_forward(sd, c, ids, token_selection=True, forced_window=True, brid
 
             o = gated(a, x, brute_attention(q, k, v, scale, keys, sd.get(a + "sinks")))
         h = h + lin(sd, a + "o_proj", o.reshape(bsz, T, nh * d))
-        h = h + mlp(sd, p, rms(h, sd[p + "post_attention_layernorm.weight"], eps))
+        h = h + mlp(sd, c, p, rms(h, sd[p + "post_attention_layernorm.weight"], eps))
     return lm_logits(sd, c, h)

@@ -105,6 +105,9 @@ HS_VARIANTS = {
     "headwise-qknorm-bias-tied": dict(gate_type="headwise", qk_norm=True, attention_bias=True,
                                       tie_word_embeddings=True),
     "mha-nosinks": dict(num_key_value_heads=4, use_sinks=False),
+    # Qwen3-MoE style, with a dense first layer.
+    "moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True,
+                mlp_only_layers=[0]),
 }
 
 
@@ -128,6 +131,9 @@ H2_VARIANTS = {
     "rope-sum": dict(full_rope=True, score_head_reduce="sum"),
     "gqa-headwise-qknorm-bias": dict(num_key_value_heads=2, gate_type="headwise", qk_norm=True, attention_bias=True),
     "two-sources": dict(H2_TWO_SOURCES, num_key_value_heads=2, tie_word_embeddings=True),
+    # Qwen2-MoE style: not renormalised, a sigmoid-gated shared expert.
+    "moe-shared": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                       shared_expert_intermediate_size=24),
 }
 
 

@@ -18,8 +18,12 @@ from transformers import (
     MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 from vllm_hysparse.configs.tensors import expected_tensors, layer_kind
@@ -31,15 +35,24 @@ ROOT = Path(__file__).resolve().parents[2]
 SEQ = 24
 COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 # Each source exercises something else: tied embeddings and q/k/v biases (Qwen2),
-# qk norms and head_dim != hidden / heads (Qwen3), another RoPE theta (Mistral).
+# qk norms and head_dim != hidden / heads (Qwen3), another RoPE theta (Mistral);
+# MoE MLPs with renormalised top-k and a dense layer (Qwen3-MoE), a shared expert and
+# `decoder_sparse_step` 2, i.e. dense even layers (Qwen2-MoE).
 SOURCES = {
     "llama": (LlamaConfig, LlamaForCausalLM, {}),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"tie_word_embeddings": True}),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 32}),
     "mistral": (MistralConfig, MistralForCausalLM,
                 {"sliding_window": None, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, {**MOE, "head_dim": 32, "norm_topk_prob": True,
+                                                        "mlp_only_layers": [1]}),
+    "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM, {**MOE, "shared_expert_intermediate_size": 48,
+                                                        "decoder_sparse_step": 2}),
 }
+# The dense layers of each MoE source, as the converted config must list them.
+MLP_ONLY = {"qwen3_moe": [1], "qwen2_moe": [0, 2, 4]}
 # Plans under which, with the identity switches, every block / token is selected and every window covers SEQ.
 # HySparse2: W F W | F F S — layer 4 is made a no-op whose k/v layer 5 shares (see `make_kv_shareable`).
 IDENTITY_PLANS = {
@@ -93,7 +106,9 @@ def make_kv_shareable(model: torch.nn.Module, full: int, follower: int) -> None:
     a, b = model.model.layers[full], model.model.layers[follower]
     with torch.no_grad():
         a.self_attn.o_proj.weight.zero_()
-        a.mlp.down_proj.weight.zero_()
+        for name, p in a.mlp.named_parameters():  # dense, or every expert and the shared one
+            if "down_proj" in name:
+                p.zero_()
         b.input_layernorm.weight.copy_(a.input_layernorm.weight)
         for name in ("k_proj", "v_proj", "k_norm"):
             if hasattr(a.self_attn, name):
@@ -154,6 +169,8 @@ def check_layout(out: Path, config, src: Path) -> None:
             assert t.dtype == torch.float32 and bool((t == cv.SINK_INIT).all()), name
         elif "self_attn." in name and name.endswith("gate_proj.weight"):
             assert not t.any(), name
+        elif ".mlp." in name:  # dense or MoE MLPs are copied as they are
+            torch.testing.assert_close(t, teacher[name], rtol=0, atol=0)
     for i in range(config.num_hidden_layers):
         scale = 2.0 if layer_kind(config, i) in ("sliding", "cross_sparse") else 1.0
         name = f"model.layers.{i}.self_attn.o_proj.weight"
@@ -174,8 +191,16 @@ def test_identity_with_teacher(teachers, tmp_path, capsys, source, arch):
     check_layout(dst, config, src)
     if shard:
         assert len(set(json.loads((dst / "model.safetensors.index.json").read_text())["weight_map"].values())) > 1
-    assert config.qk_norm == (source == "qwen3") and config.attention_bias == (source == "qwen2")
+    assert config.qk_norm == source.startswith("qwen3") and config.attention_bias == source.startswith("qwen2")
     assert config.tie_word_embeddings == (source == "qwen2")
+    moe = source in MLP_ONLY
+    assert config.num_experts == (MOE["num_experts"] if moe else 0)
+    if moe:
+        teacher_cfg = SOURCES[source][0].from_pretrained(src)
+        assert (config.num_experts_per_tok, config.moe_intermediate_size, config.norm_topk_prob) == (
+            2, 32, teacher_cfg.norm_topk_prob)
+        assert config.shared_expert_intermediate_size == (48 if source == "qwen2_moe" else 0)
+        assert config.mlp_only_layers == MLP_ONLY[source]
     if arch == "hysparse2":
         assert config.full_rope and config.swa_rotary_dim == config.head_dim
         assert config.swa_rope_theta == config.rope_theta
@@ -323,6 +348,40 @@ def test_bad_input_fails_with_one_line_and_writes_nothing(teachers, tmp_path, ca
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and reason in lines[0], err
     assert list(outs.iterdir()) == []
+
+
+MOE_BAD_INPUTS = {
+    "missing-expert": (lambda s: _drop_tensor(s, "model.layers.0.mlp.experts.3.up_proj.weight"),
+                       "missing tensor(s) model.layers.0.mlp.experts.3.up_proj.weight"),
+    # The config says layer 0 is dense, the tensors say MoE.
+    "experts-in-dense-layer": (lambda s: _edit_config(s, mlp_only_layers=[0, 1]),
+                               "missing tensor(s) model.layers.0.mlp.down_proj.weight"),
+    "top-k-over-experts": (lambda s: _edit_config(s, num_experts_per_tok=5),
+                           "num_experts_per_tok: must be at most num_experts=4 (got 5)"),
+    "sparse-step": (lambda s: _edit_config(s, decoder_sparse_step=0),
+                    "source decoder_sparse_step must be a positive integer (got 0)"),
+}
+
+
+@pytest.mark.parametrize("case", list(MOE_BAD_INPUTS))
+def test_bad_moe_source_fails_with_one_line(teachers, tmp_path, capsys, case):
+    corrupt, reason = MOE_BAD_INPUTS[case]
+    src = tmp_path / "src"
+    shutil.copytree(teachers["qwen3_moe"], src)
+    corrupt(src)
+    rc, _, err = run(capsys, "--src", src, "--dst", tmp_path / "out", "--arch", "hysparse", "--dry-run")
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: ") and reason in lines[0], err
+
+
+def test_moe_dry_run_describes_the_copied_mlps(teachers, tmp_path, capsys):
+    rc, out, err = run(capsys, "--src", teachers["qwen2_moe"], "--dst", tmp_path / "dry", "--arch", "hysparse2",
+                       "--dry-run")
+    assert rc == 0, err
+    assert "source: " in out and "Qwen2MoeForCausalLM" in out
+    assert ("MLP: MoE, 4 experts, top-2, expert size 32, shared expert 48, dense layers [0, 2, 4] (copied)"
+            in out.splitlines())
+    assert not (tmp_path / "dry").exists()
 
 
 def test_refuses_non_empty_destination(teachers, tmp_path, capsys):

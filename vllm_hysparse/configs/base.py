@@ -29,6 +29,11 @@ def require_bool(field: str, value: Any) -> None:
         raise config_error(field, "must be true or false", value)
 
 
+def require_non_negative_int(field: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise config_error(field, "must be a non-negative integer", value)
+
+
 class HySparseBaseConfig(PreTrainedConfig):
     """Llama fields plus the options both architectures share.
 
@@ -68,6 +73,12 @@ class HySparseBaseConfig(PreTrainedConfig):
         swa_window: int = 128,
         gate_type: str = "elementwise",
         use_sinks: bool = True,
+        num_experts: int = 0,
+        num_experts_per_tok: int = 8,
+        moe_intermediate_size: int = 768,
+        norm_topk_prob: bool = False,
+        shared_expert_intermediate_size: int = 0,
+        mlp_only_layers: list[int] | None = None,
         bos_token_id: int | None = None,
         eos_token_id: int | list[int] | None = None,
         pad_token_id: int | None = None,
@@ -99,6 +110,14 @@ class HySparseBaseConfig(PreTrainedConfig):
         self.swa_window = swa_window
         self.gate_type = gate_type
         self.use_sinks = use_sinks
+        # MoE MLP (SPEC §2.6; Qwen3-MoE / Qwen2-MoE meaning). Defaults are Qwen3-MoE's;
+        # the expert fields are ignored while num_experts is 0 (dense).
+        self.num_experts = num_experts
+        self.num_experts_per_tok = num_experts_per_tok
+        self.moe_intermediate_size = moe_intermediate_size
+        self.norm_topk_prob = norm_topk_prob
+        self.shared_expert_intermediate_size = shared_expert_intermediate_size
+        self.mlp_only_layers = [] if mlp_only_layers is None else list(mlp_only_layers)
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
@@ -166,6 +185,28 @@ class HySparseBaseConfig(PreTrainedConfig):
             require_bool(name, getattr(self, name))
         require_choice("gate_type", self.gate_type, GATE_TYPES)
         self._validate_rope()
+        self._validate_moe()
+
+    def _validate_moe(self) -> None:
+        require_non_negative_int("num_experts", self.num_experts)
+        require_non_negative_int("shared_expert_intermediate_size", self.shared_expert_intermediate_size)
+        require_bool("norm_topk_prob", self.norm_topk_prob)
+        for i, layer in enumerate(self.mlp_only_layers):
+            if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_hidden_layers:
+                raise config_error(f"mlp_only_layers[{i}]", f"must be a layer index in [0, {self.num_hidden_layers})",
+                                   layer)
+        if len(set(self.mlp_only_layers)) != len(self.mlp_only_layers):
+            raise config_error("mlp_only_layers", "must not list a layer twice", self.mlp_only_layers)
+        if self.num_experts == 0:
+            if self.shared_expert_intermediate_size:
+                raise config_error("shared_expert_intermediate_size", "needs num_experts > 0 (a dense model "
+                                   "has no shared expert)", self.shared_expert_intermediate_size)
+            return
+        require_positive_int("num_experts_per_tok", self.num_experts_per_tok)
+        require_positive_int("moe_intermediate_size", self.moe_intermediate_size)
+        if self.num_experts_per_tok > self.num_experts:
+            raise config_error("num_experts_per_tok", f"must be at most num_experts={self.num_experts}",
+                               self.num_experts_per_tok)
 
     def _validate_rope(self) -> None:
         rope = self.rope_parameters
@@ -180,6 +221,10 @@ class HySparseBaseConfig(PreTrainedConfig):
 
     def layers_of_type(self, kind: str) -> list[int]:
         return [i for i, t in enumerate(self.layer_types) if t == kind]
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """True when layer `layer_idx` has a MoE MLP (SPEC §2.6), False for a dense SwiGLU MLP."""
+        return self.num_experts > 0 and layer_idx not in self.mlp_only_layers
 
 
 def kv_report(config: HySparseBaseConfig, dtype_bytes: int, kv_memory_bytes: int | None) -> str:

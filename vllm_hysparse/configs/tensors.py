@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The tensors a checkpoint must contain, by name and shape (SPEC §2.2, §2.4).
+"""The tensors a checkpoint must contain, by name and shape (SPEC §2.2, §2.4, §2.6).
 
 One table drives strict loading everywhere: a tensor missing from it, absent
 from the checkpoint, or of another shape is an error that names the tensor.
@@ -62,18 +62,36 @@ def layer_kind(config: HySparseBaseConfig, layer_idx: int) -> str:
     return "cross_full" if kind == "full_attention" else "cross_sparse"
 
 
+def _swiglu(prefix: str, hidden: int, inner: int) -> dict[str, tuple[int, ...]]:
+    return {f"{prefix}.gate_proj.weight": (inner, hidden), f"{prefix}.up_proj.weight": (inner, hidden),
+            f"{prefix}.down_proj.weight": (hidden, inner)}
+
+
+def _mlp_parts(config: HySparseBaseConfig, layer_idx: int) -> dict[str, tuple[int, ...]]:
+    """`mlp.*` tensors of one layer: a dense SwiGLU MLP or a MoE block (SPEC §2.6)."""
+    e = config.hidden_size
+    if not config.is_moe_layer(layer_idx):
+        return _swiglu("mlp", e, config.intermediate_size)
+    out = {"mlp.gate.weight": (config.num_experts, e)}
+    for x in range(config.num_experts):
+        out.update(_swiglu(f"mlp.experts.{x}", e, config.moe_intermediate_size))
+    if config.shared_expert_intermediate_size:
+        out.update(_swiglu("mlp.shared_expert", e, config.shared_expert_intermediate_size))
+        out["mlp.shared_expert_gate.weight"] = (1, e)
+    return out
+
+
 def expected_tensors(config: HySparseBaseConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor name of a checkpoint for `config`, mapped to its shape."""
-    e, i = config.hidden_size, config.intermediate_size
+    e = config.hidden_size
     out = {"model.embed_tokens.weight": (config.vocab_size, e), "model.norm.weight": (e,)}
     if not config.tie_word_embeddings:
         out["lm_head.weight"] = (config.vocab_size, e)
     for idx in range(config.num_hidden_layers):
         p = f"model.layers.{idx}."
         out.update({f"{p}self_attn.{k}": v for k, v in _attention_parts(config, layer_kind(config, idx)).items()})
-        out.update({f"{p}input_layernorm.weight": (e,), f"{p}post_attention_layernorm.weight": (e,),
-                    f"{p}mlp.gate_proj.weight": (i, e), f"{p}mlp.up_proj.weight": (i, e),
-                    f"{p}mlp.down_proj.weight": (e, i)})
+        out.update({f"{p}input_layernorm.weight": (e,), f"{p}post_attention_layernorm.weight": (e,)})
+        out.update({f"{p}{k}": v for k, v in _mlp_parts(config, idx).items()})
     return out
 
 

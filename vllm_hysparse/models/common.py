@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Pieces both vLLM models share: head split under TP, per-head norm, gates, sinks, strict loading."""
+"""Pieces both vLLM models share: head split under TP, per-head norm, gates, sinks, MoE, strict loading."""
 
+import re
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -9,9 +10,13 @@ from torch import nn
 from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.logger import init_logger
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
+from vllm.model_executor.layers.fused_moe import FusedMoEFactory, fused_moe_make_expert_params_mapping
+from vllm.model_executor.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader, sharded_weight_loader
 from vllm.model_executor.models.qwen2 import Qwen2MLP
+from vllm.model_executor.models.qwen3_moe import Qwen3MoeMLP
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.platforms import current_platform
 
 from vllm_hysparse.configs.base import HySparseBaseConfig, kv_report
 from vllm_hysparse.configs.tensors import (
@@ -32,6 +37,12 @@ StackTable = dict[str, dict[str, tuple[str, str | int]]]
 MLP_STACK = {"gate_proj": ("model.layers.{i}.mlp.gate_up_proj", 0), "up_proj": ("model.layers.{i}.mlp.gate_up_proj", 1)}
 QKV_STACK = {"q_proj": ("model.layers.{i}.self_attn.qkv_proj", "q"), "k_proj": ("model.layers.{i}.self_attn.qkv_proj", "k"),
              "v_proj": ("model.layers.{i}.self_attn.qkv_proj", "v")}
+SHARED_EXPERT_STACK = {"gate_proj": ("model.layers.{i}.mlp.shared_expert.gate_up_proj", 0),
+                       "up_proj": ("model.layers.{i}.mlp.shared_expert.gate_up_proj", 1)}
+# The only names ever renamed: `model.layers.{i}.{group}.{module}.{leaf}`.
+RENAMED = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp|mlp\.shared_expert)\.(\w+)\.(weight|bias)")
+# A routed expert's tensor: (`model.layers.{i}.mlp.`, `experts.{e}.{proj}.`).
+EXPERT_TENSOR = re.compile(r"(model\.layers\.\d+\.mlp\.)(experts\.\d+\.\w+\.)weight")
 
 
 class HeadSplit:
@@ -62,13 +73,70 @@ def out_proj(config: HySparseBaseConfig, prefix: str) -> RowParallelLinear:
                              prefix=f"{prefix}.o_proj")
 
 
+def check_expert_parallel(num_experts: int, moe_parallel_config, on_cpu: bool) -> None:
+    """Refuse expert parallelism that cannot run: on CPU, or with a size that does not divide `num_experts`.
+
+    vLLM 0.32's CPU MoE kernel ignores the expert map, so with EP it indexes
+    its local experts with global ids and crashes (a segfault in
+    `cpu_fused_moe`). An uneven split vLLM would allow; we want every rank to
+    hold and run the same number of experts (and EPLB requires it anyway).
+    """
+    if not moe_parallel_config.use_ep:
+        return
+    if on_cpu:
+        raise ValueError("enable_expert_parallel: vLLM's CPU MoE kernel does not support expert parallelism "
+                         "(it ignores the expert map); use tensor parallelism on CPU")
+    if num_experts % moe_parallel_config.ep_size:
+        raise ValueError(f"num_experts={num_experts} must be divisible by the expert-parallel size "
+                         f"{moe_parallel_config.ep_size} (tensor x data parallel) with enable_expert_parallel")
+
+
+class SparseMoeBlock(nn.Module):
+    """MoE MLP (SPEC §2.6) on vLLM's fused MoE: router gate, routed experts, optional shared expert.
+
+    Same math as the reference `SparseMoeBlock`: softmax top-k routing in
+    float32, renormalised when `norm_topk_prob`; the shared expert's output is
+    scaled by `sigmoid(shared_expert_gate x)` and added to the routed sum.
+    """
+
+    def __init__(self, config: HySparseBaseConfig, prefix: str):
+        super().__init__()
+        e = config.hidden_size
+        # Assigned before `experts`, which holds them too: their parameters keep these names.
+        self.gate = ReplicatedLinear(e, config.num_experts, bias=False, prefix=f"{prefix}.gate")
+        self.shared_expert = None
+        if config.shared_expert_intermediate_size:
+            self.shared_expert_gate = ReplicatedLinear(e, 1, bias=False, prefix=f"{prefix}.shared_expert_gate")
+            # Not reduced on its own: the fused MoE reduces shared + routed once under TP.
+            self.shared_expert = Qwen3MoeMLP(e, config.shared_expert_intermediate_size, config.hidden_act,
+                                             reduce_results=False, expert_gate=self.shared_expert_gate,
+                                             prefix=f"{prefix}.shared_expert")
+        self.experts = FusedMoEFactory(
+            num_experts=config.num_experts, top_k=config.num_experts_per_tok, hidden_size=e,
+            intermediate_size=config.moe_intermediate_size, renormalize=config.norm_topk_prob,
+            prefix=f"{prefix}.experts", gate=self.gate, shared_experts=self.shared_expert)
+        check_expert_parallel(config.num_experts, self.experts.moe_config.moe_parallel_config,
+                              current_platform.is_cpu())
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """`[T, hidden]` -> `[T, hidden]`; the runner applies the gate, so the logits argument is the input."""
+        return self.experts(hidden_states=hidden_states, router_logits=hidden_states)
+
+
+def make_mlp(config: HySparseBaseConfig, layer_idx: int, prefix: str) -> nn.Module:
+    """MoE unless the model is dense or the layer is in `mlp_only_layers` (SPEC §2.6)."""
+    if config.is_moe_layer(layer_idx):
+        return SparseMoeBlock(config, prefix)
+    return Qwen2MLP(config.hidden_size, config.intermediate_size, config.hidden_act, prefix=prefix)
+
+
 class PreNormDecoderLayer(nn.Module):
     """Pre-norm residual block around any attention module, with vLLM's fused residual adds."""
 
     def __init__(self, config: HySparseBaseConfig, attn: nn.Module, prefix: str):
         super().__init__()
         self.self_attn = attn
-        self.mlp = Qwen2MLP(config.hidden_size, config.intermediate_size, config.hidden_act, prefix=f"{prefix}.mlp")
+        self.mlp = make_mlp(config, extract_layer_index(prefix), f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -126,16 +194,25 @@ def log_kv_report(config: HySparseBaseConfig, vllm_config) -> None:
 
 def vllm_param_name(config: HySparseBaseConfig, stacks: StackTable, name: str) -> tuple[str, str | int | None]:
     """HF tensor name -> (vLLM parameter name, shard id of a fused parameter or None)."""
-    parts = name.split(".")
-    # Only `model.layers.{i}.{self_attn|mlp}.{module}.{weight|bias}` is ever renamed.
-    if len(parts) != 6 or parts[:2] != ["model", "layers"]:
+    m = RENAMED.fullmatch(name)
+    if m is None:
         return name, None
-    idx, group, module, leaf = int(parts[2]), parts[3], parts[4], parts[5]
-    table = MLP_STACK if group == "mlp" else stacks.get(layer_kind(config, idx), {})
+    idx, group, module, leaf = int(m.group(1)), m.group(2), m.group(3), m.group(4)
+    table = {"mlp": MLP_STACK, "mlp.shared_expert": SHARED_EXPERT_STACK}.get(group)
+    if table is None:
+        table = stacks.get(layer_kind(config, idx), {})
     if module not in table:
         return name, None
     owner, shard = table[module]
     return f"{owner.format(i=idx)}.{leaf}", shard
+
+
+def expert_mapping(model: nn.Module, config: HySparseBaseConfig) -> dict[str, tuple[str, int, str]]:
+    """vLLM's expert mapping, keyed by checkpoint part: `experts.{e}.{proj}.` -> (param part, expert, shard)."""
+    if not config.num_experts:
+        return {}
+    mapping = fused_moe_make_expert_params_mapping(model, "gate_proj", "down_proj", "up_proj", config.num_experts)
+    return {weight_part: (param_part, expert, shard) for param_part, weight_part, expert, shard in mapping}
 
 
 def load_checked(model: nn.Module, config: HySparseBaseConfig, stacks: StackTable,
@@ -143,11 +220,20 @@ def load_checked(model: nn.Module, config: HySparseBaseConfig, stacks: StackTabl
     """Strict loading: an unknown, missing, mis-shaped or non-finite tensor is a one-line error naming it."""
     expected = expected_tensors(config)
     params = dict(model.named_parameters())
+    experts = expert_mapping(model, config)
     seen: set[str] = set()
     for name, weight in readable(config, weights):
         check_tensor(expected, name, tuple(weight.shape))
         check_finite(name, weight)
         seen.add(name)
+        m = EXPERT_TENSOR.fullmatch(name)
+        if m is not None:
+            # One expert's gate / up / down: a slice of the layer's stacked w13 or w2.
+            param_part, expert, shard = experts[m.group(2)]
+            target = f"{m.group(1)}{param_part}weight"
+            param = params[target]
+            param.weight_loader(param, weight, target, shard_id=shard, expert_id=expert)
+            continue
         target, shard = vllm_param_name(config, stacks, name)
         param = params[target]
         loader = getattr(param, "weight_loader", default_weight_loader)

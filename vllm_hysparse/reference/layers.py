@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Building blocks shared by the reference models: norm, RoPE, MLP, gates, sinks."""
+"""Building blocks shared by the reference models: norm, RoPE, MLP and MoE, gates, sinks."""
 
 from dataclasses import dataclass
 
@@ -72,6 +72,57 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SparseMoeBlock(nn.Module):
+    """Qwen3-MoE-style MoE MLP (SPEC §2.6), optionally with a Qwen2-MoE shared expert.
+
+    A softmax router in float32 over `num_experts` picks the top
+    `num_experts_per_tok` experts per token (ties broken as `torch.topk`
+    does); their probabilities, renormalised to sum 1 when `norm_topk_prob`,
+    weight the SwiGLU experts' outputs. The shared expert, if any, runs on
+    every token, scaled by `sigmoid(shared_expert_gate x)`.
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        e = config.hidden_size
+        self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
+        self.gate = nn.Linear(e, config.num_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(e, config.moe_intermediate_size) for _ in range(config.num_experts))
+        self.shared_expert = self.shared_expert_gate = None
+        if config.shared_expert_intermediate_size:
+            self.shared_expert = MLP(e, config.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(e, 1, bias=False)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x `[N, hidden]` -> (weights `[N, k]` in x's dtype, expert ids `[N, k]`)."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x `[..., hidden]` -> `[..., hidden]`."""
+        flat = x.reshape(-1, x.shape[-1])
+        weights, ids = self.route(flat)
+        out = torch.zeros_like(flat)
+        # Each expert runs once on the tokens that picked it (any of their k slots).
+        for idx, expert in enumerate(self.experts):
+            token, slot = torch.where(ids == idx)
+            if token.numel():
+                out = out.index_add(0, token, expert(flat[token]) * weights[token, slot, None])
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return out.view(x.shape)
+
+
+def make_mlp(config, layer_idx: int) -> nn.Module:
+    """The MLP of layer `layer_idx`: MoE unless the model is dense or the layer is in `mlp_only_layers`."""
+    if config.is_moe_layer(layer_idx):
+        return SparseMoeBlock(config)
+    return MLP(config.hidden_size, config.intermediate_size)
 
 
 def gate_proj(config, hidden_size: int) -> nn.Linear:

@@ -7,12 +7,12 @@ from torch import nn
 from vllm_hysparse.configs.hysparse import FULL, HySparseConfig
 from vllm_hysparse.reference import ops
 from vllm_hysparse.reference.layers import (
-    MLP,
     RMSNorm,
     RotaryEmbedding,
     gate_logits,
     gate_proj,
     kv_from_cache,
+    make_mlp,
     sinks,
     split_heads,
 )
@@ -109,7 +109,7 @@ class HySparseDecoderLayer(nn.Module):
     def __init__(self, config: HySparseConfig, layer_idx: int):
         super().__init__()
         self.self_attn = ATTENTION_TYPES[config.layer_types[layer_idx]](config, layer_idx)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.mlp = make_mlp(config, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

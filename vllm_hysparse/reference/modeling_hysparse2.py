@@ -18,13 +18,13 @@ from torch import nn
 from vllm_hysparse.configs.hysparse2 import SLIDING, SPARSE, HySparse2Config
 from vllm_hysparse.reference import ops
 from vllm_hysparse.reference.layers import (
-    MLP,
     ReferenceSwitches,
     RMSNorm,
     RotaryEmbedding,
     gate_logits,
     gate_proj,
     kv_from_cache,
+    make_mlp,
     sinks,
     split_heads,
 )
@@ -231,7 +231,7 @@ class HySparse2DecoderLayer(nn.Module):
     def __init__(self, config: HySparse2Config, layer_idx: int):
         super().__init__()
         self.self_attn = attention_type(config, layer_idx)(config, layer_idx)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.mlp = make_mlp(config, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Convert a dense Llama / Qwen2 / Qwen3 / Mistral checkpoint into HySparse or HySparse2 (SPEC §5).
+"""Convert a Llama / Qwen2 / Qwen3 / Mistral / Qwen3-MoE / Qwen2-MoE checkpoint into HySparse or HySparse2 (SPEC §5).
 
     python scripts/convert_checkpoint.py --src Qwen3-8B --dst qwen3-8b-hysparse --arch hysparse --dry-run
     python scripts/convert_checkpoint.py --src model.gguf --dst student --arch hysparse   # GGUF: imported first
@@ -10,7 +10,9 @@ zero weight (sigmoid = 0.5) and sinks at -30, and `o_proj` scaled so that a
 layer whose branches all equal dense attention reproduces the dense layer
 (x1 behind two gated branches, x2 behind one). Weights stream one tensor at a
 time from the source shards into output shards of at most `--max-shard-size`,
-so memory is bounded by one output shard, not by the model.
+so memory is bounded by one output shard, not by the model. MoE sources keep
+their MLPs as they are (router, experts, shared expert; SPEC §2.6): only the
+attention is converted.
 """
 
 import argparse
@@ -42,10 +44,14 @@ SOURCE_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
 }
-# Qwen3 normalises q and k per head; Qwen2 always has q/k/v biases (SPEC §2.5 conventions).
-QK_NORM = {"qwen3"}
-QKV_BIAS = {"qwen2"}
+# Qwen3(-MoE) normalises q and k per head; Qwen2 always has q/k/v biases, Qwen2-MoE when
+# `qkv_bias` (SPEC §2.5 conventions).
+QK_NORM = {"qwen3", "qwen3_moe"}
+QKV_BIAS = {"qwen2", "qwen2_moe"}
+MOE_SOURCES = {"qwen3_moe", "qwen2_moe"}
 CONFIG_CLASSES = {"hysparse": HySparseConfig, "hysparse2": HySparse2Config}
 COPIED_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
                 "*.tiktoken", "chat_template*", "generation_config.json")
@@ -59,6 +65,11 @@ Rule = tuple[str, tuple[str, ...], float]
 _MLP_AND_NORMS: list[Rule] = [
     (r"(input|post_attention)_layernorm\.weight", (r"\1_layernorm.weight",),   1.0),
     (r"mlp\.(gate|up|down)_proj\.weight",         (r"mlp.\1_proj.weight",),     1.0),
+    # MoE MLPs (SPEC §2.6) are copied; `route` checks each against the layer's layout.
+    (r"mlp\.gate\.weight",                         ("mlp.gate.weight",),         1.0),
+    (r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight", (r"mlp.experts.\1.\2_proj.weight",), 1.0),
+    (r"mlp\.shared_expert\.(gate|up|down)_proj\.weight", (r"mlp.shared_expert.\1_proj.weight",), 1.0),
+    (r"mlp\.shared_expert_gate\.weight",           ("mlp.shared_expert_gate.weight",), 1.0),
     # A buffer in some old checkpoints; RoPE frequencies come from the config.
     (r"self_attn\.rotary_emb\.inv_freq",          (),                           1.0),
 ]
@@ -199,6 +210,7 @@ def dense_fields(model_type: str, cfg) -> dict:
                          "layers do not have (SPEC §2.5)")
     _check_no_sliding_window(model_type, cfg)
     heads = cfg.num_attention_heads
+    qkv_bias = model_type in QKV_BIAS and bool(getattr(cfg, "qkv_bias", True))
     return {
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
         "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": heads,
@@ -207,8 +219,29 @@ def dense_fields(model_type: str, cfg) -> dict:
         "hidden_act": cfg.hidden_act, "max_position_embeddings": cfg.max_position_embeddings,
         "initializer_range": cfg.initializer_range, "rms_norm_eps": cfg.rms_norm_eps,
         "tie_word_embeddings": bool(cfg.tie_word_embeddings), "rope_parameters": _rope_parameters(cfg),
-        "attention_bias": model_type in QKV_BIAS, "qk_norm": model_type in QK_NORM,
+        "attention_bias": qkv_bias, "qk_norm": model_type in QK_NORM,
         "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id,
+        **moe_fields(model_type, cfg),
+    }
+
+
+def moe_fields(model_type: str, cfg) -> dict:
+    """SPEC §2.6 fields of a Qwen3-MoE / Qwen2-MoE source; {} (dense) for the others.
+
+    The source's `decoder_sparse_step` (MoE on layers i with (i + 1) % step == 0)
+    becomes explicit `mlp_only_layers`, which is what we have.
+    """
+    if model_type not in MOE_SOURCES or not cfg.num_experts:
+        return {}
+    step = cfg.decoder_sparse_step
+    if isinstance(step, bool) or not isinstance(step, int) or step <= 0:
+        raise ValueError(f"source decoder_sparse_step must be a positive integer (got {step!r})")
+    dense = set(cfg.mlp_only_layers or []) | {i for i in range(cfg.num_hidden_layers) if (i + 1) % step}
+    return {
+        "num_experts": cfg.num_experts, "num_experts_per_tok": cfg.num_experts_per_tok,
+        "moe_intermediate_size": cfg.moe_intermediate_size, "norm_topk_prob": bool(cfg.norm_topk_prob),
+        "shared_expert_intermediate_size": getattr(cfg, "shared_expert_intermediate_size", 0) or 0,
+        "mlp_only_layers": sorted(dense),
     }
 
 
@@ -458,6 +491,11 @@ def describe(conv: Conversion) -> str:
         f"{cfg.num_attention_heads} heads / {cfg.num_key_value_heads} KV heads x {cfg.head_dim}, "
         f"rope {cfg.rope_parameters['rope_type']} theta={cfg.rope_theta:g})",
         f"target: {cfg.model_type}: {opts}, swa_window {cfg.swa_window}, gates {cfg.gate_type}, sinks {SINK_INIT:g}",
+        *([f"MLP: MoE, {cfg.num_experts} experts, top-{cfg.num_experts_per_tok}"
+           f"{' renormalised' if cfg.norm_topk_prob else ''}, expert size {cfg.moe_intermediate_size}"
+           f"{f', shared expert {cfg.shared_expert_intermediate_size}' if cfg.shared_expert_intermediate_size else ''}"
+           f"{f', dense layers {cfg.mlp_only_layers}' if cfg.mlp_only_layers else ''} (copied)"]
+          if cfg.num_experts else []),
         "  layer  type          conversion",
         *(_layer_line(cfg, i) for i in range(cfg.num_hidden_layers)),
         f"parameters: {before:,} -> {after:,} ({(after - before) / before:+.1%})",
@@ -644,8 +682,8 @@ def _layer_list(text: str) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--src", required=True, help="dense HF checkpoint (Llama, Qwen2, Qwen3, Mistral), or a .gguf "
-                   "file of one (imported first, see vllm_hysparse.tools.import_gguf)")
+    p.add_argument("--src", required=True, help="HF checkpoint (Llama, Qwen2, Qwen3, Mistral, Qwen3-MoE, "
+                   "Qwen2-MoE), or a .gguf file of one (imported first, see vllm_hysparse.tools.import_gguf)")
     p.add_argument("--dst", required=True, help="directory to create")
     p.add_argument("--arch", choices=sorted(CONFIG_CLASSES), required=True)
     full = p.add_mutually_exclusive_group()

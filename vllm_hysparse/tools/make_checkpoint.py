@@ -29,6 +29,8 @@ CONFIG_CLASSES = {"hysparse": HySparseConfig, "hysparse2": HySparse2Config}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Projections whose outputs meet in q.k: scaled to make attention peaked.
 QK_PROJ_SUFFIXES = ("q_proj.weight", "k_proj.weight")
+# Std of random MoE router logits: far from uniform, so top-k choices are rarely near-ties.
+ROUTER_LOGIT_STD = 2.0
 
 
 def build_config(arch: str, preset: str, overrides: dict | None = None):
@@ -52,6 +54,8 @@ def random_state_dict(config, seed: int, logit_std: float, dtype: torch.dtype) -
     for name, tensor in tqdm(model.state_dict().items(), desc="random weights", unit="tensor", leave=False):
         if name.endswith(QK_PROJ_SUFFIXES):
             tensor = torch.randn(tensor.shape, generator=gen) * qk_sigma
+        elif name.endswith("mlp.gate.weight"):
+            tensor = torch.randn(tensor.shape, generator=gen) * ROUTER_LOGIT_STD / config.hidden_size**0.5
         elif name.endswith("sinks"):
             tensor = torch.randn(tensor.shape, generator=gen)
         elif name.endswith("norm.weight"):
@@ -162,7 +166,7 @@ def parse_size(text: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", choices=sorted(CONFIG_CLASSES), required=True)
-    parser.add_argument("--preset", choices=["tiny", "small", "paper"], default="tiny")
+    parser.add_argument("--preset", choices=["tiny", "tiny_moe", "small", "paper"], default="tiny")
     parser.add_argument("--out", required=True, help="checkpoint directory to create")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
