@@ -54,6 +54,7 @@ class HySparseBaseConfig(PreTrainedConfig):
         num_attention_heads: int = 16,
         num_key_value_heads: int | None = None,
         head_dim: int | None = None,
+        v_head_dim: int | None = None,
         hidden_act: str = "silu",
         max_position_embeddings: int = 32768,
         initializer_range: float = 0.02,
@@ -88,6 +89,9 @@ class HySparseBaseConfig(PreTrainedConfig):
         self.head_dim = head_dim
         if head_dim is None and isinstance(hidden_size, int) and isinstance(num_attention_heads, int):
             self.head_dim = hidden_size // max(num_attention_heads, 1)
+        # SPEC §2.6: `head_dim` is the q/k dim; V (and so o_proj's input and the
+        # elementwise gates) may be narrower, as in the papers' 192 / 128 layout.
+        self.v_head_dim = self.head_dim if v_head_dim is None else v_head_dim
         self.hidden_act = hidden_act
         self.max_position_embeddings = max_position_embeddings
         self.initializer_range = initializer_range
@@ -142,7 +146,7 @@ class HySparseBaseConfig(PreTrainedConfig):
 
     def _validate(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "v_head_dim",
                      "max_position_embeddings", "swa_window"):
             require_positive_int(name, getattr(self, name))
         if len(self.layer_types) != self.num_hidden_layers:
