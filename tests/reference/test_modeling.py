@@ -105,6 +105,9 @@ HS_VARIANTS = {
     "headwise-qknorm-bias-tied": dict(gate_type="headwise", qk_norm=True, attention_bias=True,
                                       tie_word_embeddings=True),
     "mha-nosinks": dict(num_key_value_heads=4, use_sinks=False),
+    # SPEC §2.6: q/k and v head dims differ (the papers' 192 / 128, scaled down), both ways.
+    "vdim-narrow": dict(head_dim=12, v_head_dim=8),
+    "vdim-wide-headwise-qknorm": dict(v_head_dim=10, gate_type="headwise", qk_norm=True),
 }
 
 
@@ -128,6 +131,8 @@ H2_VARIANTS = {
     "rope-sum": dict(full_rope=True, score_head_reduce="sum"),
     "gqa-headwise-qknorm-bias": dict(num_key_value_heads=2, gate_type="headwise", qk_norm=True, attention_bias=True),
     "two-sources": dict(H2_TWO_SOURCES, num_key_value_heads=2, tie_word_embeddings=True),
+    "vdim-narrow-rope": dict(head_dim=12, v_head_dim=8, full_rope=True),
+    "vdim-wide-gqa-headwise-qknorm": dict(num_key_value_heads=2, v_head_dim=10, gate_type="headwise", qk_norm=True),
 }
 
 
@@ -152,14 +157,14 @@ def test_hysparse2_matches_loop_oracle(variant, switch):
 def own_kv_tensors(model, seed: int) -> dict[int, dict[str, torch.Tensor]]:
     """Random dense-layer K/V tensors (named as in `self_attn`) for every cross sparse layer."""
     cfg, g = model.config, gen(seed)
-    width = cfg.num_key_value_heads * cfg.head_dim
+    width = {"k": cfg.num_key_value_heads * cfg.head_dim, "v": cfg.num_key_value_heads * cfg.v_head_dim}
     out = {}
     for i, kind in enumerate(cfg.layer_types):
         if kind != SPARSE:
             continue
-        t = {f"{n}_proj.weight": randn(g, width, cfg.hidden_size, std=cfg.hidden_size**-0.5) for n in "kv"}
+        t = {f"{n}_proj.weight": randn(g, width[n], cfg.hidden_size, std=cfg.hidden_size**-0.5) for n in "kv"}
         if cfg.attention_bias:
-            t.update({f"{n}_proj.bias": 0.2 * randn(g, width) for n in "kv"})
+            t.update({f"{n}_proj.bias": 0.2 * randn(g, width[n]) for n in "kv"})
         if cfg.qk_norm:
             t["k_norm.weight"] = 1.0 + 0.3 * randn(g, cfg.head_dim)
         out[i] = t
@@ -301,8 +306,9 @@ def run_incrementally(model, ids, pieces, first_keep=0):
     return out
 
 
-@pytest.mark.parametrize("make", [make_hs, lambda seed: make_hs(seed, gate_type="headwise", qk_norm=True)],
-                         ids=["hysparse", "hysparse-headwise-qknorm"])
+@pytest.mark.parametrize("make", [make_hs, lambda seed: make_hs(seed, gate_type="headwise", qk_norm=True),
+                                  lambda seed: make_hs(seed, head_dim=12, v_head_dim=8)],
+                         ids=["hysparse", "hysparse-headwise-qknorm", "hysparse-vdim"])
 def test_hysparse_cache_matches_full_forward(make):
     model = make(41)
     pieces = [7, 1, 1, 1, 5, 1, 1]
@@ -316,6 +322,7 @@ H2_CACHE_VARIANTS = {
     "nope-max": {},
     "rope-sum": dict(full_rope=True, score_head_reduce="sum"),
     "two-sources": H2_TWO_SOURCES,
+    "vdim-narrow": dict(head_dim=12, v_head_dim=8),
 }
 
 
