@@ -186,6 +186,15 @@ class HySparseBaseConfig(PreTrainedConfig):
         return [i for i, t in enumerate(self.layer_types) if t == kind]
 
 
+def kv_bytes_per_layer(config: HySparseBaseConfig, dtype_bytes: int) -> int:
+    """Bytes one token costs in one cache: K at `head_dim` and V at `v_head_dim` per KV head (SPEC §2.6).
+
+    Every cache stores both at their own widths, window caches too (see
+    `vllm_hysparse.models.common.window_attention`), so this holds for all of them.
+    """
+    return config.num_key_value_heads * (config.head_dim + config.v_head_dim) * dtype_bytes
+
+
 def kv_report(config: HySparseBaseConfig, dtype_bytes: int, kv_memory_bytes: int | None) -> str:
     """One line for the server log: KV bytes per token (SPEC §3.4) and, given the KV memory, tokens that fit.
 
@@ -193,7 +202,7 @@ def kv_report(config: HySparseBaseConfig, dtype_bytes: int, kv_memory_bytes: int
     context that fits is set by the full-length caches; vLLM's own "KV cache
     size" line counts every cache group as full length and understates it.
     """
-    per_layer = 2 * config.num_key_value_heads * config.head_dim * dtype_bytes
+    per_layer = kv_bytes_per_layer(config, dtype_bytes)
     full, windowed = config.kv_cache_layers()
     line = (f"HySparse KV cache: {per_layer * full} bytes/token in {full} full-length caches "
             f"+ {windowed} window caches of {config.swa_window} tokens ({per_layer * windowed * config.swa_window} "
@@ -210,7 +219,7 @@ def kv_bytes_per_token(config: HySparseBaseConfig, dtype_bytes: int, context_len
     `swa_window` tokens each, so their per-token share shrinks as the context
     grows. Returns the counts and the bytes so callers can print them.
     """
-    per_layer = 2 * config.num_key_value_heads * config.head_dim * dtype_bytes
+    per_layer = kv_bytes_per_layer(config, dtype_bytes)
     full, windowed = config.kv_cache_layers()
     window_tokens = min(config.swa_window, context_len)
     total = per_layer * (full + windowed * window_tokens / context_len)
