@@ -3,7 +3,8 @@
 
 Shapes: the GQA group size and selection sizes of each preset of the model
 that uses the kernel (`vllm_hysparse.tools.presets`), head dims 64 / 128 /
-256 and the papers' q/k 192 with v 128 (SPEC §2.6), 16-slot pages, bf16 and fp16. Each launcher runs on `meta` tensors and
+256 and the papers' q/k 192 with v 128 (SPEC §2.6), 16-slot pages, bf16 and
+fp16. Each launcher runs on `meta` tensors and
 its launches are built ahead of time (`sm90.py`), all at once in worker
 processes; a case fails on any spilled byte or on more shared memory than sm_90
 gives a block. The resource table is printed at the end of the run.

@@ -388,7 +388,8 @@ def _write_separate_v_source(src: Path, head_dim: int, v_head_dim: int) -> None:
     for i in range(layers):
         p = f"model.layers.{i}."
         t.update({p + "self_attn.q_proj.weight": (h * head_dim, e), p + "self_attn.k_proj.weight": (g * head_dim, e),
-                  p + "self_attn.v_proj.weight": (g * v_head_dim, e), p + "self_attn.o_proj.weight": (e, h * v_head_dim),
+                  p + "self_attn.v_proj.weight": (g * v_head_dim, e),
+                  p + "self_attn.o_proj.weight": (e, h * v_head_dim),
                   p + "mlp.gate_proj.weight": (inter, e), p + "mlp.up_proj.weight": (inter, e),
                   p + "mlp.down_proj.weight": (e, inter), p + "input_layernorm.weight": (e,),
                   p + "post_attention_layernorm.weight": (e,)})

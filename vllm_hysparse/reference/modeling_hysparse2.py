@@ -194,7 +194,7 @@ class CrossSparseAttention(_Attention):
         self.own_kv = OwnKV(holder.k_proj, holder.v_proj, getattr(holder, "k_norm", None))
 
     def project_own_kv(self, x, positions, ctx: StepContext):
-        """K `[B, T, G, D]` (rotated like the cross full layer's) and V `[B, T, G, Dv]` from this layer's own input `x`."""
+        """K `[B, T, G, D]` (rotated like the cross full layer's) and V `[B, T, G, Dv]` from this layer's input `x`."""
         if self.own_kv is None:
             raise ValueError(f"cross_kv_sharing=False: cross sparse layer {self.layer_idx} has no K/V projections "
                              "of its own; give them with set_own_kv (the validator takes the teacher's)")
@@ -205,7 +205,7 @@ class CrossSparseAttention(_Attention):
         return ctx.rope(k, positions), v
 
     def keys_values(self, x, positions, ctx: StepContext):
-        """The K `[B, Tk, G, D]` / V `[B, Tk, G, Dv]` this layer attends over: the cross full layer's cache, or its own."""
+        """K `[B, Tk, G, D]` / V `[B, Tk, G, Dv]` this layer attends over: the cross full layer's cache, or its own."""
         if ctx.switches.cross_kv_sharing:
             return ctx.shared["k"], ctx.shared["v"]
         return kv_from_cache(ctx.cache, self.layer_idx, *self.project_own_kv(x, positions, ctx))
