@@ -4,6 +4,9 @@
 `scripts/setup_env.sh` builds them at install time, so an engine finds them
 ready. Where no compiler is available (or `VLLM_HYSPARSE_CPU_EXT=0`), callers
 get None and stay on the PyTorch path, with one warning.
+Both kernels read V as wide as K (pages of `[G, page, 2D]`); a cache with
+`v_head_dim != head_dim` (SPEC §2.6) never reaches them
+(`paged_batch.cpu_kernel_pages`) and runs the PyTorch path.
 """
 
 import hashlib

@@ -9,24 +9,27 @@ def check_paged_batch(q, k_cache, v_cache, block_table, query_start_loc, seq_len
     """Shape, dtype and device checks of a vLLM paged batch; returns `(out, sinks)` ready to launch.
 
     Args:
-        q: `[T, H, D]` fp16 / bf16 / fp32.
-        k_cache, v_cache: `[num_pages, G, page_size, D]` in q's dtype, any strides.
+        q: `[T, H, D]` fp16 / bf16 / fp32 (D: the q/k head dim).
+        k_cache: `[num_pages, G, page_size, D]`, v_cache: `[num_pages, G, page_size, Dv]`, in q's dtype,
+            any strides. Dv (the value head dim, SPEC §2.6) may differ from D; outputs are Dv wide.
         block_table: `[R, max_pages]` int32 with contiguous rows.
         query_start_loc: `[R + 1]` int32; seq_lens: `[R]` int32.
-        out: `[T, H, D]` in q's dtype, or None to allocate it.
+        out: `[T, H, Dv]` in q's dtype, or None to allocate it.
         sinks: `[H]` sink logits (converted to float32), or None.
     """
     assert q.dim() == 3, f"q: expected [T, H, D], got {tuple(q.shape)}"
     assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), f"q: unsupported dtype {q.dtype}"
-    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, \
-        f"k_cache/v_cache: expected equal [num_pages, G, page_size, D], got {tuple(k_cache.shape)}" \
-        f" / {tuple(v_cache.shape)}"
+    assert k_cache.dim() == 4 and v_cache.dim() == 4 and k_cache.shape[:3] == v_cache.shape[:3], \
+        f"k_cache/v_cache: expected [num_pages, G, page_size, D] / [num_pages, G, page_size, Dv], got " \
+        f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}"
     assert k_cache.dtype == q.dtype and v_cache.dtype == q.dtype, \
         f"k_cache/v_cache must have q's dtype {q.dtype} (got {k_cache.dtype} / {v_cache.dtype})"
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[1]
     assert k_cache.shape[3] == head_dim, f"head dim: q has {head_dim}, the cache {k_cache.shape[3]}"
+    head_dim_v = v_cache.shape[3]
     assert 16 <= head_dim <= 256, f"head dim {head_dim} not supported (16..256)"
+    assert 16 <= head_dim_v <= 256, f"value head dim {head_dim_v} not supported (16..256)"
     assert num_heads % num_kv_heads == 0, f"{num_heads} query heads cannot share {num_kv_heads} KV groups"
     assert block_table.dim() == 2 and block_table.dtype == torch.int32, "block_table: expected [R, max_pages] int32"
     assert block_table.stride(1) == 1, "block_table rows must be contiguous"
@@ -39,9 +42,10 @@ def check_paged_batch(q, k_cache, v_cache, block_table, query_start_loc, seq_len
     if sinks is not None:
         assert sinks.shape == (num_heads,), f"sinks: expected [{num_heads}], got {tuple(sinks.shape)}"
         sinks = sinks.to(torch.float32).contiguous()
+    out_shape = (q.shape[0], num_heads, head_dim_v)
     if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    assert out.shape == q.shape and out.dtype == q.dtype, "out: expected q's shape and dtype"
+        out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
+    assert out.shape == out_shape and out.dtype == q.dtype, f"out: expected {list(out_shape)} in q's dtype"
     tensors = {"k_cache": k_cache, "v_cache": v_cache, "block_table": block_table, "query_start_loc": query_start_loc,
                "seq_lens": seq_lens, "sinks": sinks, "out": out}
     for name, x in tensors.items():

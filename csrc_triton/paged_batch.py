@@ -157,14 +157,25 @@ def interleaved(k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor | 
     """The `[num_pages, G, page, D_k + D_v]` tensor that both views slice (vLLM's page layout), or None.
 
     Gathering it once moves each token's K and V as one contiguous run,
-    instead of two strided half-rows.
+    instead of two strided half-rows. D_k and D_v may differ (SPEC §2.6).
     """
-    d = k_cache.shape[-1]
-    if (k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or k_cache.stride(2) != 2 * d
-            or v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype
+    d, dv = k_cache.shape[-1], v_cache.shape[-1]
+    if (k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or k_cache.stride(2) != d + dv
+            or v_cache.shape[:3] != k_cache.shape[:3] or v_cache.dtype != k_cache.dtype
             or v_cache.data_ptr() != k_cache.data_ptr() + d * k_cache.element_size()):
         return None
-    return torch.as_strided(k_cache, (*k_cache.shape[:3], 2 * d), k_cache.stride())
+    return torch.as_strided(k_cache, (*k_cache.shape[:3], d + dv), k_cache.stride())
+
+
+def cpu_kernel_pages(k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor | None:
+    """The interleaved pages the C++ CPU kernels read, or None where they do not apply (then PyTorch runs).
+
+    They need float32 pages of vLLM's layout on the CPU. They read V right after K in equal widths,
+    so a layout with D_k != D_v (SPEC §2.6 `v_head_dim`) stays on the PyTorch path.
+    """
+    if k_cache.dtype != torch.float32 or k_cache.device.type != "cpu" or k_cache.shape[-1] != v_cache.shape[-1]:
+        return None
+    return interleaved(k_cache, v_cache)
 
 
 def _gather_kv(gather, k_cache, v_cache, *args) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,17 +188,17 @@ def _gather_kv(gather, k_cache, v_cache, *args) -> tuple[torch.Tensor, torch.Ten
 
 
 def gather_context_kv(k_cache, v_cache, block_table, reqs, num_keys):
-    """`gather_context` of keys and values: two `[n, G, num_keys, D]` float32 tensors."""
+    """`gather_context` of keys and values: `[n, G, num_keys, D]` and `[n, G, num_keys, Dv]` float32."""
     return _gather_kv(gather_context, k_cache, v_cache, block_table, reqs, num_keys)
 
 
 def gather_request_kv(k_cache, v_cache, block_table_row, num_keys):
-    """`gather_request` of keys and values: two `[G, num_keys, D]` float32 tensors."""
+    """`gather_request` of keys and values: `[G, num_keys, D]` and `[G, num_keys, Dv]` float32."""
     return _gather_kv(gather_request, k_cache, v_cache, block_table_row, num_keys)
 
 
 def gather_rows_kv(k_cache, v_cache, block_table, reqs, positions):
-    """`gather_rows` of keys and values: two `[n, G, S, D]` float32 tensors."""
+    """`gather_rows` of keys and values: `[n, G, S, D]` and `[n, G, S, Dv]` float32."""
     return _gather_kv(gather_rows, k_cache, v_cache, block_table, reqs, positions)
 
 
@@ -239,7 +250,7 @@ def attend_positions(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         positions: `[n, G, S]` int64 key positions; `valid [n, G, S]` bool marks the attended ones.
         sinks: `[G, P]` float32 sink logits, or None.
     Returns:
-        `[n, H, D]` float32.
+        `[n, H, Dv]` float32.
     """
     n, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -248,7 +259,7 @@ def attend_positions(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     qg = q.float().view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
     z = grouped_logits(qg, k, scale).masked_fill_(~valid[:, :, None, :], float("-inf"))  # [n, G, P, S]
     p = sink_softmax(z, sinks)
-    return torch.matmul(p, v).view(n, num_heads, head_dim)
+    return torch.matmul(p, v).view(n, num_heads, v.shape[-1])
 
 
 def attend_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor, scale: float,
@@ -261,27 +272,37 @@ def attend_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: t
     rescales its output by `Σe / (Σe + e^s) = sigmoid(lse - s)`.
 
     Args:
-        q: `[n, H, D]`; k, v: `[G, S, D]` float32 (the request's keys `[0, S)`).
+        q: `[n, H, D]`; k: `[G, S, D]`, v: `[G, S, Dv]` float32 (the request's keys `[0, S)`).
         key_mask: `[n, G, S]` bool, True where row i attends key j.
         sinks: `[G, P]` float32, or None.
     Returns:
-        `[n, H, D]` float32.
+        `[n, H, Dv]` float32.
     """
     n, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[0]
+    num_kv_heads, head_dim_v = k.shape[0], v.shape[-1]
     per_group = num_heads // num_kv_heads
     if q.device.type != "cpu":
         return _attend_masked_unfused(q, k, v, key_mask, scale, sinks)
     qg = group_queries(q, num_kv_heads).transpose(1, 2)  # [G, P, n, D]
-    shape = (num_kv_heads, per_group, k.shape[1], head_dim)
+    # The CPU flash kernel wants one head size: zero columns change no logit (the
+    # scale is explicit) and only add output columns, which are sliced off.
+    width = max(head_dim, head_dim_v)
+    qg, k, v = (_pad_last(x, width) for x in (qg, k, v))
+    shape = (num_kv_heads, per_group, k.shape[1], width)
     bias = torch.zeros(key_mask.shape, dtype=torch.float32, device=q.device).masked_fill_(~key_mask, float("-inf"))
     o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         qg, k[:, None].expand(shape), v[:, None].expand(shape), attn_mask=bias.transpose(0, 1)[:, None], scale=scale)
+    o = o[..., :head_dim_v]
     weight = torch.isfinite(lse).float()  # [G, P, n]; rows with no key get 0 (flash leaves them undefined)
     if sinks is not None:
         weight = weight * torch.sigmoid(lse - sinks[:, :, None])
     o = torch.where(weight[..., None] > 0, o * weight[..., None], 0.0)
-    return o.permute(2, 0, 1, 3).reshape(n, num_heads, head_dim)
+    return o.permute(2, 0, 1, 3).reshape(n, num_heads, head_dim_v)
+
+
+def _pad_last(x: torch.Tensor, width: int) -> torch.Tensor:
+    """`x` with zero columns appended to its last dim up to `width` (itself when already that wide)."""
+    return x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
 
 
 def _attend_masked_unfused(q, k, v, key_mask, scale, sinks):
@@ -293,8 +314,9 @@ def _attend_masked_unfused(q, k, v, key_mask, scale, sinks):
     z = grouped_logits(qg, k, scale).view(num_kv_heads, n, per_group, -1)
     z.masked_fill_(~key_mask.transpose(0, 1)[:, :, None, :], float("-inf"))
     p = sink_softmax(z, None if sinks is None else sinks[:, None, :])
-    o = torch.matmul(p.view(num_kv_heads, n * per_group, -1), v)  # [G, n * P, D]
-    return o.view(num_kv_heads, n, per_group, head_dim).transpose(0, 1).reshape(n, num_heads, head_dim)
+    o = torch.matmul(p.view(num_kv_heads, n * per_group, -1), v)  # [G, n * P, Dv]
+    head_dim_v = v.shape[-1]
+    return o.view(num_kv_heads, n, per_group, head_dim_v).transpose(0, 1).reshape(n, num_heads, head_dim_v)
 
 
 # A prefill run gathers its rows' selected keys (instead of masking all of its
@@ -307,12 +329,12 @@ def sparse_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens
     """A sparse role over a step (the kernels' contract).
 
     Where the C++ kernel is built (float32, vLLM's interleaved pages on the
-    CPU), every row runs over its own selection straight from the pages.
+    CPU, D_k == D_v), every row runs over its own selection straight from the pages.
     Otherwise decode rows gather their keys together and each prefill run is
     attended with a key mask.
 
     Args:
-        q: `[T, H, D]`; sinks: `[H]` or None; out: `[T, H, D]` or None (rows past the last request get 0).
+        q: `[T, H, D]`; sinks: `[H]` or None; out: `[T, H, Dv]` or None (rows past the last request get 0).
         ids: `[T, G, W]` selection; entry `i` stands for positions `[i * span, i * span + span)`, -1 for none.
         select: `(plan, rows [n]) -> (positions, valid)`, both `[n, G, W * span]`.
         mask: `(plan, start, end, num_keys) -> [end - start, G, num_keys]` bool key mask of rows `[start, end)`.
@@ -322,10 +344,10 @@ def sparse_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens
     out, sinks = check_paged_batch(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, out, sinks)
     plan = plan_or_make(plan, query_start_loc, seq_lens, q.shape[0])
     num_heads, head_dim = q.shape[1:]
-    num_kv_heads = k_cache.shape[1]
+    num_kv_heads, head_dim_v = k_cache.shape[1], v_cache.shape[3]
     out[plan.num_tokens:].zero_()
-    base = interleaved(k_cache, v_cache) if k_cache.dtype == torch.float32 else None
-    ext = cpu_ext.load("sparse") if base is not None and base.device.type == "cpu" else None
+    base = cpu_kernel_pages(k_cache, v_cache)
+    ext = cpu_ext.load("sparse") if base is not None else None
     if ext is not None:
         n = plan.num_tokens
         no_sinks = torch.empty(0, dtype=torch.float32)
@@ -335,7 +357,7 @@ def sparse_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens
         return out
     width = ids.shape[-1] * span
     sinks = None if sinks is None else sinks.view(num_kv_heads, -1)
-    rows_per_chunk = ELEMENT_BUDGET // (num_kv_heads * width * (2 * head_dim + num_heads // num_kv_heads))
+    rows_per_chunk = ELEMENT_BUDGET // (num_kv_heads * width * (head_dim + head_dim_v + num_heads // num_kv_heads))
 
     def gathered(rows, reqs):
         positions, valid = select(plan, rows)
@@ -364,35 +386,35 @@ def oracle_attention_rows(q, k_cache, v_cache, block_table, plan: BatchPlan, out
     """Drive an oracle role over a step: exact causal attention plus a per-row selection from the same logits.
 
     Decode rows are handled together: by the C++ kernel straight from the
-    pages where it is built (float32, vLLM's interleaved page layout), else
+    pages where it is built (float32, vLLM's interleaved page layout, D_k == D_v), else
     over their requests' keys gathered and padded to the longest. Each prefill
     run is handled over its own keys, in row chunks, by matrix products.
 
     Args:
-        q: `[T, H, D]`; out `[T, H, D]` and indices `[T, G, width]`: rows `[0, plan.num_tokens)` are written.
+        q: `[T, H, D]`; out `[T, H, Dv]` and indices `[T, G, width]`: rows `[0, plan.num_tokens)` are written.
         select: `(z [b, G, r, P, S], lse [b, G, r, P, 1], limit [b, r]) -> ids [b, r, G, width]`, where
             row i of batch b sees keys `j <= limit[b, i]` and z is -inf past it.
     """
     num_heads, head_dim = q.shape[1:]
-    num_kv_heads = k_cache.shape[1]
+    num_kv_heads, head_dim_v = k_cache.shape[1], v_cache.shape[3]
     per_group = num_heads // num_kv_heads
 
     def write(rows, o, ids):
-        out[rows] = o.permute(0, 2, 1, 3, 4).reshape(-1, num_heads, head_dim).to(out.dtype)
+        out[rows] = o.permute(0, 2, 1, 3, 4).reshape(-1, num_heads, head_dim_v).to(out.dtype)
         indices[rows] = ids.reshape(-1, *indices.shape[1:]).to(indices.dtype)
 
     if plan.num_decodes:
         num_keys = plan.max_decode_len
-        base = interleaved(k_cache, v_cache) if k_cache.dtype == torch.float32 else None
-        ext = cpu_ext.load() if base is not None and base.device.type == "cpu" else None
-        per_req = num_keys * (num_heads if ext else 2 * num_kv_heads * head_dim + 3 * num_heads)
+        base = cpu_kernel_pages(k_cache, v_cache)
+        ext = cpu_ext.load() if base is not None else None
+        per_req = num_keys * (num_heads if ext else num_kv_heads * (head_dim + head_dim_v) + 3 * num_heads)
         for s, e in chunks(plan.num_decodes, ELEMENT_BUDGET // per_req):
             rows, reqs, lens = plan.decode_rows[s:e], plan.decode_reqs[s:e], plan.decode_lens[s:e]
             limit = (lens - 1)[:, None]
             if ext is not None:
                 o, z, lse = ext.paged_decode(q[rows].float(), base, block_table, reqs, lens, num_keys, scale)
                 shape = (e - s, num_kv_heads, 1, per_group)
-                o = o.view(*shape, head_dim)
+                o = o.view(*shape, head_dim_v)
                 ids = select(z.view(*shape, num_keys), lse.view(*shape, 1), limit)
             else:
                 k, v = gather_context_kv(k_cache, v_cache, block_table, reqs, num_keys)
@@ -423,11 +445,12 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limit: t
     probabilities that weight the values.
 
     Args:
-        q: `[b, G, r, P, D]` float32; k, v: `[b, G, S, D]` float32; limit: `[b, r]` last visible key of each row.
+        q: `[b, G, r, P, D]` float32; k: `[b, G, S, D]`, v: `[b, G, S, Dv]` float32; limit: `[b, r]` last
+            visible key of each row.
         select: `(z [b, G, r, P, S], lse [b, G, r, P, 1], limit) -> ids`; z is -inf past each row's limit.
         mask_from: no row's limit is below `mask_from - 1` (a host bound): keys before it need no mask.
     Returns:
-        the selection `ids` and the output `[b, G, r, P, D]`.
+        the selection `ids` and the output `[b, G, r, P, Dv]`.
     """
     b, g, r, p, d = q.shape
     s = k.shape[2]
@@ -437,5 +460,5 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limit: t
     lse = torch.logsumexp(z, dim=-1, keepdim=True)
     ids = select(z, lse, limit)
     probs = z.sub_(lse).exp_()
-    o = torch.matmul(probs.view(b, g, r * p, s), v).view(b, g, r, p, d)
+    o = torch.matmul(probs.view(b, g, r * p, s), v).view(b, g, r, p, v.shape[-1])
     return ids, o

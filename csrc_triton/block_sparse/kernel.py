@@ -45,27 +45,32 @@ def attend_paged_tile(
     stride_v_p, stride_v_s, stride_v_d,
     qk_scale,
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
     """One online-softmax step (base-2 logits) over the keys at positions o_p where m_n holds.
 
     p_bt is the request's block-table row, p_k/p_v the group's K/V base pointers.
+    Keys are HEAD_DIM wide, values (and b_acc) HEAD_DIM_V wide (SPEC §2.6).
     Masked keys are never read: unwritten cache slots may hold NaN, and 0 * NaN
     would poison the accumulator.
     """
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < HEAD_DIM
+    o_dv = tl.arange(0, BLOCK_DV)
+    m_dv = o_dv < HEAD_DIM_V
     # [BLOCK_N] physical page and slot of every key
     i_pg = tl.load(p_bt + o_p // PAGE_SIZE, mask=m_n, other=0).to(tl.int64)
     o_slot = (o_p % PAGE_SIZE).to(tl.int64)
     # [BLOCK_D, BLOCK_N]
     b_kt = tl.load(p_k + i_pg[None, :] * stride_k_p + o_slot[None, :] * stride_k_s + o_d[:, None] * stride_k_d,
                    mask=m_d[:, None] & m_n[None, :], other=0.0)
-    # [BLOCK_N, BLOCK_D]
-    b_v = tl.load(p_v + i_pg[:, None] * stride_v_p + o_slot[:, None] * stride_v_s + o_d[None, :] * stride_v_d,
-                  mask=m_n[:, None] & m_d[None, :], other=0.0)
+    # [BLOCK_N, BLOCK_DV]
+    b_v = tl.load(p_v + i_pg[:, None] * stride_v_p + o_slot[:, None] * stride_v_s + o_dv[None, :] * stride_v_d,
+                  mask=m_n[:, None] & m_dv[None, :], other=0.0)
     if DOT_FP32:
         b_kt = b_kt.to(tl.float32)
         b_v = b_v.to(tl.float32)
@@ -89,8 +94,8 @@ def attend_paged_tile(
 def block_sparse_attn_fwd_kernel(
     q,  # [T, H, D]
     k_cache,  # [num_pages, G, page_size, D]
-    v_cache,  # [num_pages, G, page_size, D]
-    out,  # [T, H, D]
+    v_cache,  # [num_pages, G, page_size, Dv]
+    out,  # [T, H, Dv]
     sinks,  # [H] float32, read only when USE_SINKS
     block_table,  # [R, max_pages] int32
     query_start_loc,  # [R + 1] int32
@@ -107,26 +112,30 @@ def block_sparse_attn_fwd_kernel(
     stride_bi_t, stride_bi_g, stride_bi_k,
     HEADS_PER_GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     USE_SINKS: tl.constexpr,
     DOT_FP32: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     i_t = tl.program_id(0).to(tl.int64)
     i_g = tl.program_id(1).to(tl.int64)
     o_h = tl.arange(0, BLOCK_H)
     o_d = tl.arange(0, BLOCK_D)
+    o_dv = tl.arange(0, BLOCK_DV)
     i_h = i_g * HEADS_PER_GROUP + o_h
     m_hd = (o_h < HEADS_PER_GROUP)[:, None] & (o_d < HEAD_DIM)[None, :]
-    p_o = out + i_t * stride_o_t + i_h[:, None] * stride_o_h + o_d[None, :] * stride_o_d
+    m_hdv = (o_h < HEADS_PER_GROUP)[:, None] & (o_dv < HEAD_DIM_V)[None, :]
+    p_o = out + i_t * stride_o_t + i_h[:, None] * stride_o_h + o_dv[None, :] * stride_o_d
 
     i_r = find_request(query_start_loc, num_reqs, i_t.to(tl.int32))
     if i_r >= num_reqs:
         # a padding row past the last request: write zeros, never leave stale memory
-        tl.store(p_o, tl.zeros([BLOCK_H, BLOCK_D], tl.float32).to(out.dtype.element_ty), mask=m_hd)
+        tl.store(p_o, tl.zeros([BLOCK_H, BLOCK_DV], tl.float32).to(out.dtype.element_ty), mask=m_hdv)
         return
     bos = tl.load(query_start_loc + i_r)
     eos = tl.load(query_start_loc + i_r + 1)
@@ -145,7 +154,7 @@ def block_sparse_attn_fwd_kernel(
     else:
         b_m = tl.full([BLOCK_H], float("-inf"), tl.float32)
         b_l = tl.zeros([BLOCK_H], tl.float32)
-    b_acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    b_acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
 
     p_bt = block_table + i_r.to(tl.int64) * stride_bt_r
     p_k = k_cache + i_g * stride_k_g
@@ -165,29 +174,35 @@ def block_sparse_attn_fwd_kernel(
                     stride_v_p, stride_v_s, stride_v_d,
                     qk_scale,
                     HEAD_DIM=HEAD_DIM,
+                    HEAD_DIM_V=HEAD_DIM_V,
                     PAGE_SIZE=PAGE_SIZE,
                     BLOCK_D=BLOCK_D,
+                    BLOCK_DV=BLOCK_DV,
                     DOT_FP32=DOT_FP32,
                 )
     # no key and no sink: l = 0 and the output is 0
     b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
-    tl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_hd)
+    tl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_hdv)
 
 
-def launch_config(q, head_dim, heads_per_group):
-    """The one fixed config: (BLOCK_H, BLOCK_D, largest BLOCK_N, DOT_FP32, num_warps).
+def launch_config(q, head_dim, heads_per_group, head_dim_v=None):
+    """The one fixed config: (BLOCK_H, BLOCK_D, BLOCK_DV, largest BLOCK_N, DOT_FP32, num_warps).
 
     Chosen from sm_90 AOT builds (ptxas resource usage): a 64-key tile at D <= 128
     with 8 warps, or 32 keys at D = 256, stays under 255 registers without spills.
+    The wider of the q/k and v head dims decides (192 / 128 tiles as 256 / 128).
     """
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
     # tl.dot needs M >= 16 on GPUs; padded head rows are masked on load and store
     block_h = max(16, triton.next_power_of_2(heads_per_group))
     block_d = max(16, triton.next_power_of_2(head_dim))
-    block_n = 64 if block_d <= 128 else 32
-    num_warps = 8 if block_d >= 128 else 4
+    block_dv = max(16, triton.next_power_of_2(head_dim_v))
+    widest = max(block_d, block_dv)
+    block_n = 64 if widest <= 128 else 32
+    num_warps = 8 if widest >= 128 else 4
     # the interpreter multiplies bf16 bit patterns in tl.dot, so dot in fp32 there
     dot_fp32 = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and q.device.type == "cpu")
-    return block_h, block_d, block_n, dot_fp32, num_warps
+    return block_h, block_d, block_dv, block_n, dot_fp32, num_warps
 
 
 def block_sparse_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, block_indices, *,
@@ -196,7 +211,8 @@ def block_sparse_attention(q, k_cache, v_cache, block_table, query_start_loc, se
 
     Args:
         q (torch.Tensor): `[T, H, D]`, any strides; fp16, bf16 or fp32.
-        k_cache, v_cache (torch.Tensor): `[num_pages, G, page_size, D]`, any strides.
+        k_cache (torch.Tensor): `[num_pages, G, page_size, D]`, any strides.
+        v_cache (torch.Tensor): `[num_pages, G, page_size, Dv]`, any strides (Dv may differ from D).
         block_table (torch.Tensor): `[R, max_pages]` int32; position p of request r is in page
             `block_table[r, p // page_size]`, slot `p % page_size`.
         query_start_loc (torch.Tensor): `[R + 1]` int32; request r owns rows
@@ -207,10 +223,10 @@ def block_sparse_attention(q, k_cache, v_cache, block_table, query_start_loc, se
         scale (float): logit scale.
         sparse_block_size (int): positions per block.
         sinks (torch.Tensor, Optional): `[H]` sink logits (unscaled, no value). Default: `None`.
-        out (torch.Tensor, Optional): `[T, H, D]` in q's dtype; every element is written. Default: `None`.
+        out (torch.Tensor, Optional): `[T, H, Dv]` in q's dtype; every element is written. Default: `None`.
 
     Returns:
-        `[T, H, D]` in q's dtype. Keys are the selected positions at or before the query;
+        `[T, H, Dv]` in q's dtype. Keys are the selected positions at or before the query;
         rows past `query_start_loc[-1]` and rows with neither keys nor sink are 0.
     """
     out, sinks = check_paged_batch(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, out, sinks)
@@ -223,7 +239,9 @@ def block_sparse_attention(q, k_cache, v_cache, block_table, query_start_loc, se
     if num_tokens == 0:
         return out
     heads_per_group = num_heads // num_kv_heads
-    block_h, block_d, block_n, dot_fp32, num_warps = launch_config(q, head_dim, heads_per_group)
+    head_dim_v = v_cache.shape[3]
+    block_h, block_d, block_dv, block_n, dot_fp32, num_warps = launch_config(q, head_dim, heads_per_group,
+                                                                              head_dim_v)
     block_n = max(16, min(block_n, triton.next_power_of_2(sparse_block_size)))
     grid = (num_tokens, num_kv_heads)
     block_sparse_attn_fwd_kernel[grid](
@@ -250,12 +268,14 @@ def block_sparse_attention(q, k_cache, v_cache, block_table, query_start_loc, se
         stride_bi_k=block_indices.stride(2),
         HEADS_PER_GROUP=heads_per_group,
         HEAD_DIM=head_dim,
+        HEAD_DIM_V=head_dim_v,
         PAGE_SIZE=k_cache.shape[2],
         BLOCK_SIZE=sparse_block_size,
         USE_SINKS=sinks is not None,
         DOT_FP32=dot_fp32,
         BLOCK_H=block_h,
         BLOCK_D=block_d,
+        BLOCK_DV=block_dv,
         BLOCK_N=block_n,
         num_warps=num_warps,
     )

@@ -7,7 +7,7 @@ gathered straight from the pages, and one sink softmax runs over them in float32
 
 import torch
 
-# Query rows gathered at once; bounds memory at rows * G * K * block_size * D floats.
+# Query rows gathered at once; bounds memory at rows * G * K * block_size * (D + Dv) floats.
 QUERY_CHUNK = 16
 
 
@@ -16,11 +16,11 @@ def sink_attention(q, k, v, valid, scale, sinks):
 
     Args:
         q: `[n, G, P, D]` float32 (P query heads per KV group).
-        k, v: `[n, G, S, D]` float32 gathered keys and values.
+        k: `[n, G, S, D]`, v: `[n, G, S, Dv]` float32 gathered keys and values.
         valid: `[n, G, S]` bool; invalid keys get no weight (their K/V may be NaN).
         sinks: `[G, P]` float32 or None.
     Returns:
-        `[n, G, P, D]` float32; rows with neither keys nor sink are 0.
+        `[n, G, P, Dv]` float32; rows with neither keys nor sink are 0.
     """
     k = torch.where(valid[..., None], k, 0.0)
     v = torch.where(valid[..., None], v, 0.0)
@@ -56,8 +56,9 @@ def block_sparse_attention_naive(q, k_cache, v_cache, block_table, query_start_l
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     per_group = num_heads // num_kv_heads
+    head_dim_v = v_cache.shape[3]  # values may be narrower or wider than q/k (SPEC §2.6)
     if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out = torch.empty(num_tokens, num_heads, head_dim_v, dtype=q.dtype, device=q.device)
     out.zero_()
     group_sinks = None if sinks is None else sinks.float().view(num_kv_heads, per_group)
     offsets = torch.arange(sparse_block_size, device=q.device)
@@ -77,5 +78,5 @@ def block_sparse_attention_naive(q, k_cache, v_cache, block_table, query_start_l
             v = gather_paged(v_cache, block_table[r], positions)
             qg = q[s:e].float().view(e - s, num_kv_heads, per_group, head_dim)
             o = sink_attention(qg, k, v, valid, scale, group_sinks)
-            out[s:e] = o.reshape(e - s, num_heads, head_dim).to(out.dtype)
+            out[s:e] = o.reshape(e - s, num_heads, head_dim_v).to(out.dtype)
     return out

@@ -38,7 +38,7 @@ def oracle_attention_batched(q, k_cache, v_cache, block_table, query_start_loc, 
                              sparse_block_size, topk, out=None, plan: BatchPlan | None = None):
     """`oracle_attention` in batched PyTorch; `plan` (from `make_plan`) spares the host read of the batch layout.
 
-    Returns out `[T, H, D]` and indices `[T, G, topk]` int32; rows past the last request get 0 and -1.
+    Returns out `[T, H, Dv]` and indices `[T, G, topk]` int32; rows past the last request get 0 and -1.
     """
     out, _ = check_paged_batch(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, out)
     plan = plan_or_make(plan, query_start_loc, seq_lens, q.shape[0])

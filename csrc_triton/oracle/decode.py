@@ -25,8 +25,8 @@ LOG2E = 1.4426950408889634
 def oracle_decode_kernel(
     q,  # [T, H, D]
     k_cache,  # [num_pages, G, page_size, D]
-    v_cache,  # [num_pages, G, page_size, D]
-    part_o,  # [T, G, NUM_SPLITS, BLOCK_H, BLOCK_D] float32, unnormalised
+    v_cache,  # [num_pages, G, page_size, Dv]
+    part_o,  # [T, G, NUM_SPLITS, BLOCK_H, BLOCK_DV] float32, unnormalised
     part_m,  # [T, G, NUM_SPLITS, BLOCK_H] float32 base-2 running max
     part_l,  # [T, G, NUM_SPLITS, BLOCK_H] float32 softmax denominator
     part_tv,  # [T, G, NUM_SPLITS, BLOCK_H, KP] float32 raw block maxima of the running top-k
@@ -44,6 +44,7 @@ def oracle_decode_kernel(
     stride_bt_r,
     HEADS_PER_GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     SPARSE_BLOCK: tl.constexpr,
     TOPK: tl.constexpr,
@@ -54,6 +55,7 @@ def oracle_decode_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     STORE_SCORES: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
@@ -71,6 +73,7 @@ def oracle_decode_kernel(
 
     o_m = tl.arange(0, BLOCK_M)
     o_d = tl.arange(0, BLOCK_D)
+    o_dv = tl.arange(0, BLOCK_DV)
     o_k = tl.arange(0, KP)
     m_row = o_m < HEADS_PER_GROUP
     m_d = o_d < HEAD_DIM
@@ -82,7 +85,7 @@ def oracle_decode_kernel(
                   mask=m_row[:, None] & m_d[None, :], other=0.0)
     if DOT_FP32:
         b_q = b_q.to(tl.float32)
-    b_acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    b_acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     b_m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     b_l = tl.zeros([BLOCK_M], tl.float32)
     b_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -109,10 +112,12 @@ def oracle_decode_kernel(
             num_score_blocks,
             qk_scale,
             HEAD_DIM=HEAD_DIM,
+            HEAD_DIM_V=HEAD_DIM_V,
             PAGE_SIZE=PAGE_SIZE,
             SPARSE_BLOCK=SPARSE_BLOCK,
             BLOCK_N=BLOCK_N,
             BLOCK_D=BLOCK_D,
+            BLOCK_DV=BLOCK_DV,
             KP=KP,
             STORE_SCORES=STORE_SCORES,
             DOT_FP32=DOT_FP32,
@@ -121,7 +126,7 @@ def oracle_decode_kernel(
     # rows >= BLOCK_H are padding for tl.dot and are not stored
     m_keep = o_m < BLOCK_H
     i_part = ((i_t64 * num_kv_heads + i_g) * NUM_SPLITS + i_s) * BLOCK_H + o_m
-    tl.store(part_o + i_part[:, None] * BLOCK_D + o_d[None, :], b_acc, mask=m_keep[:, None])
+    tl.store(part_o + i_part[:, None] * BLOCK_DV + o_dv[None, :], b_acc, mask=m_keep[:, None])
     tl.store(part_m + i_part, b_m, mask=m_keep)
     tl.store(part_l + i_part, b_l, mask=m_keep)
     tl.store(part_tv + i_part[:, None] * KP + o_k[None, :], b_tv, mask=m_keep[:, None])
@@ -131,36 +136,37 @@ def oracle_decode_kernel(
 @triton.jit
 def oracle_decode_reduce_kernel(
     part_o, part_m, part_l, part_tv, part_ti,  # stage-1 partials, see oracle_decode_kernel
-    out,  # [T, H, D]
+    out,  # [T, H, Dv]
     indices,  # [T, G, TOPK] int32
     block_lse,  # [T, H] float32, written when STORE_SCORES
     query_start_loc,  # [R + 1] int32
     num_reqs,
     stride_o_t, stride_o_h, stride_o_d,
     HEADS_PER_GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
     TOPK: tl.constexpr,
     KP: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     STORE_SCORES: tl.constexpr,
 ):
+    """Merges the partials; only values reach it, so its head dim is the value head dim."""
     i_t = tl.program_id(0).to(tl.int64)
     i_g = tl.program_id(1).to(tl.int64)
     num_kv_heads = tl.num_programs(1)
     o_s = tl.arange(0, NUM_SPLITS)
     o_h = tl.arange(0, BLOCK_H)
-    o_d = tl.arange(0, BLOCK_D)
+    o_d = tl.arange(0, BLOCK_DV)
     o_k = tl.arange(0, KP)
     m_h = o_h < HEADS_PER_GROUP
     i_h = i_g * HEADS_PER_GROUP + o_h
     p_o = out + i_t * stride_o_t + i_h[:, None] * stride_o_h + o_d[None, :] * stride_o_d
-    m_o = m_h[:, None] & (o_d < HEAD_DIM)[None, :]
+    m_o = m_h[:, None] & (o_d < HEAD_DIM_V)[None, :]
     p_i = indices + (i_t * num_kv_heads + i_g) * TOPK + o_k[None, :]
     if i_t >= tl.load(query_start_loc + num_reqs):
         # a padding row past the last request has no partials: zeros and -1
-        tl.store(p_o, tl.zeros([BLOCK_H, BLOCK_D], tl.float32).to(out.dtype.element_ty), mask=m_o)
+        tl.store(p_o, tl.zeros([BLOCK_H, BLOCK_DV], tl.float32).to(out.dtype.element_ty), mask=m_o)
         tl.store(p_i, tl.full([1, KP], -1, tl.int32), mask=(o_k < TOPK)[None, :])
         return
     # [NUM_SPLITS, BLOCK_H]
@@ -173,8 +179,8 @@ def oracle_decode_reduce_kernel(
     b_w = tl.exp2(b_m - b_mx[None, :])
     b_lsum = tl.sum(b_w * b_l, axis=0)
     b_lsum = tl.where(b_lsum > 0, b_lsum, 1.0)
-    # [NUM_SPLITS, BLOCK_H, BLOCK_D]
-    b_acc = tl.load(part_o + i_part[:, :, None] * BLOCK_D + o_d[None, None, :])
+    # [NUM_SPLITS, BLOCK_H, BLOCK_DV]
+    b_acc = tl.load(part_o + i_part[:, :, None] * BLOCK_DV + o_d[None, None, :])
     b_o = tl.sum(b_w[:, :, None] * b_acc, axis=0) / b_lsum[:, None]
     tl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_o)
     b_lse = b_mx + tl.log2(b_lsum)
@@ -211,12 +217,14 @@ def oracle_decode_fwd(q, k_cache, v_cache, block_table, query_start_loc, seq_len
     num_kv_heads = k_cache.shape[1]
     heads_per_group = num_heads // num_kv_heads
     block_h = triton.next_power_of_2(heads_per_group)
+    head_dim_v = v_cache.shape[3]
     block_d = max(16, triton.next_power_of_2(head_dim))
+    block_dv = max(16, triton.next_power_of_2(head_dim_v))
     kp = triton.next_power_of_2(topk)
     dot_fp32 = dot_in_fp32(q)
-    block_n = key_tile(sparse_block_size, 32 if (block_d > 128 or dot_fp32) else 64)
+    block_n = key_tile(sparse_block_size, 32 if (max(block_d, block_dv) > 128 or dot_fp32) else 64)
     part = (num_tokens, num_kv_heads, num_splits, block_h)
-    part_o = torch.empty(*part, block_d, dtype=torch.float32, device=q.device)
+    part_o = torch.empty(*part, block_dv, dtype=torch.float32, device=q.device)
     part_m = torch.empty(part, dtype=torch.float32, device=q.device)
     part_l = torch.empty(part, dtype=torch.float32, device=q.device)
     part_tv = torch.empty(*part, kp, dtype=torch.float32, device=q.device)
@@ -245,6 +253,7 @@ def oracle_decode_fwd(q, k_cache, v_cache, block_table, query_start_loc, seq_len
         stride_bt_r=block_table.stride(0),
         HEADS_PER_GROUP=heads_per_group,
         HEAD_DIM=head_dim,
+        HEAD_DIM_V=head_dim_v,
         PAGE_SIZE=k_cache.shape[2],
         SPARSE_BLOCK=sparse_block_size,
         TOPK=topk,
@@ -256,9 +265,11 @@ def oracle_decode_fwd(q, k_cache, v_cache, block_table, query_start_loc, seq_len
         BLOCK_H=block_h,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
+        BLOCK_DV=block_dv,
         STORE_SCORES=store_scores,
         DOT_FP32=dot_fp32,
-        num_warps=4,
+        # q/k 192 (tiled as 256) with v 128 spills 4 B at 4 warps with one split (sm_90 AOT builds)
+        num_warps=8 if block_d != block_dv and max(block_d, block_dv) > 128 else 4,
     )
     oracle_decode_reduce_kernel[(num_tokens, num_kv_heads)](
         part_o=part_o,
@@ -273,12 +284,12 @@ def oracle_decode_fwd(q, k_cache, v_cache, block_table, query_start_loc, seq_len
         num_reqs=seq_lens.shape[0],
         stride_o_t=out.stride(0), stride_o_h=out.stride(1), stride_o_d=out.stride(2),
         HEADS_PER_GROUP=heads_per_group,
-        HEAD_DIM=head_dim,
+        HEAD_DIM_V=head_dim_v,
         TOPK=topk,
         KP=kp,
         NUM_SPLITS=num_splits,
         BLOCK_H=block_h,
-        BLOCK_D=block_d,
+        BLOCK_DV=block_dv,
         STORE_SCORES=store_scores,
-        num_warps=reduce_num_warps(num_splits, block_h, block_d),
+        num_warps=reduce_num_warps(num_splits, block_h, block_dv),
     )

@@ -29,8 +29,8 @@ MAX_SPLITS = 16
 def oracle_fwd_kernel(
     q,  # [T, H, D]
     k_cache,  # [num_pages, G, page_size, D]
-    v_cache,  # [num_pages, G, page_size, D]
-    out,  # [T, H, D]
+    v_cache,  # [num_pages, G, page_size, Dv]
+    out,  # [T, H, Dv]
     indices,  # [T, G, TOPK] int32
     block_u,  # [T, H, NB] float32 raw base-2 block maxima, written when STORE_SCORES
     block_lse,  # [T, H] float32 base-2 log-sum-exp, written when STORE_SCORES
@@ -48,6 +48,7 @@ def oracle_fwd_kernel(
     stride_bt_r,
     HEADS_PER_GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     SPARSE_BLOCK: tl.constexpr,
     TOPK: tl.constexpr,
@@ -56,6 +57,7 @@ def oracle_fwd_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     STORE_SCORES: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
@@ -74,6 +76,7 @@ def oracle_fwd_kernel(
 
     o_m = tl.arange(0, BLOCK_M)
     o_d = tl.arange(0, BLOCK_D)
+    o_dv = tl.arange(0, BLOCK_DV)
     o_k = tl.arange(0, KP)
     # row m is query m // BLOCK_H of the q-block, head m % BLOCK_H of the group
     o_q = i_qs * BLOCK_Q + o_m // BLOCK_H
@@ -85,13 +88,14 @@ def oracle_fwd_kernel(
     m_pad = (o_t >= num_real) & (o_t < num_tokens)
     o_pos = tl.where(m_row, seq_len - q_len + o_q, -1)
     m_d = o_d < HEAD_DIM
+    m_dv = o_dv < HEAD_DIM_V
 
     # [BLOCK_M, BLOCK_D]
     b_q = tl.load(q + o_t[:, None] * stride_q_t + i_h[:, None] * stride_q_h + o_d[None, :] * stride_q_d,
                   mask=m_row[:, None] & m_d[None, :], other=0.0)
     if DOT_FP32:
         b_q = b_q.to(tl.float32)
-    b_acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    b_acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     b_m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     b_l = tl.zeros([BLOCK_M], tl.float32)
     b_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -116,10 +120,12 @@ def oracle_fwd_kernel(
             num_score_blocks,
             qk_scale,
             HEAD_DIM=HEAD_DIM,
+            HEAD_DIM_V=HEAD_DIM_V,
             PAGE_SIZE=PAGE_SIZE,
             SPARSE_BLOCK=SPARSE_BLOCK,
             BLOCK_N=BLOCK_N,
             BLOCK_D=BLOCK_D,
+            BLOCK_DV=BLOCK_DV,
             KP=KP,
             STORE_SCORES=STORE_SCORES,
             DOT_FP32=DOT_FP32,
@@ -127,8 +133,8 @@ def oracle_fwd_kernel(
 
     b_l = tl.where(b_l > 0, b_l, 1.0)
     b_o = b_acc / b_l[:, None]
-    tl.store(out + o_t[:, None] * stride_o_t + i_h[:, None] * stride_o_h + o_d[None, :] * stride_o_d,
-             b_o.to(out.dtype.element_ty), mask=(m_row | (m_pad & m_h))[:, None] & m_d[None, :])
+    tl.store(out + o_t[:, None] * stride_o_t + i_h[:, None] * stride_o_h + o_dv[None, :] * stride_o_d,
+             b_o.to(out.dtype.element_ty), mask=(m_row | (m_pad & m_h))[:, None] & m_dv[None, :])
     b_lse = tl.where(m_row, b_m + tl.log2(b_l), 0.0)
     if STORE_SCORES:
         tl.store(block_lse + o_t * (num_kv_heads * HEADS_PER_GROUP) + i_h, b_lse, mask=m_row)
@@ -176,11 +182,14 @@ def oracle_prefill_fwd(q, k_cache, v_cache, block_table, query_start_loc, seq_le
     num_kv_heads = k_cache.shape[1]
     heads_per_group = num_heads // num_kv_heads
     block_h = triton.next_power_of_2(heads_per_group)
+    head_dim_v = v_cache.shape[3]
     block_d = max(16, triton.next_power_of_2(head_dim))
+    block_dv = max(16, triton.next_power_of_2(head_dim_v))
+    widest = max(block_d, block_dv)  # 192 / 128 tiles as 256 / 128: the wider one sets the config
     dot_fp32 = dot_in_fp32(q)
     # one config per head dim: 128 rows up to D = 128, 64 rows for D = 256 (registers and shared memory)
-    block_m = 128 if block_d <= 128 else 64
-    block_n = key_tile(sparse_block_size, 32 if (block_d > 128 or dot_fp32) else 64)
+    block_m = 128 if widest <= 128 else 64
+    block_n = key_tile(sparse_block_size, 32 if (widest > 128 or dot_fp32) else 64)
     block_q = max(1, block_m // block_h)
     grid = (num_tokens // block_q + seq_lens.shape[0], num_kv_heads)
     oracle_fwd_kernel[grid](
@@ -207,6 +216,7 @@ def oracle_prefill_fwd(q, k_cache, v_cache, block_table, query_start_loc, seq_le
         stride_bt_r=block_table.stride(0),
         HEADS_PER_GROUP=heads_per_group,
         HEAD_DIM=head_dim,
+        HEAD_DIM_V=head_dim_v,
         PAGE_SIZE=k_cache.shape[2],
         SPARSE_BLOCK=sparse_block_size,
         TOPK=topk,
@@ -215,10 +225,11 @@ def oracle_prefill_fwd(q, k_cache, v_cache, block_table, query_start_loc, seq_le
         BLOCK_H=block_h,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
+        BLOCK_DV=block_dv,
         STORE_SCORES=store_scores,
         DOT_FP32=dot_fp32,
         # 4 warps spill at 128 rows x D = 64 (sm_90 AOT check); tiny tiles of test head dims need no more than 4
-        num_warps=8 if block_m * block_d >= 128 * 64 else 4,
+        num_warps=8 if block_m * widest >= 128 * 64 else 4,
     )
 
 
@@ -268,7 +279,8 @@ def oracle_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens
 
     Args:
         q (torch.Tensor): `[T, H, D]`, any strides; fp16, bf16 or fp32.
-        k_cache, v_cache (torch.Tensor): `[num_pages, G, page_size, D]`, any strides, q's dtype.
+        k_cache (torch.Tensor): `[num_pages, G, page_size, D]`, any strides, q's dtype.
+        v_cache (torch.Tensor): `[num_pages, G, page_size, Dv]`, any strides, q's dtype (Dv may differ from D).
         block_table (torch.Tensor): `[R, max_pages]` int32; position p of request r is in page
             `block_table[r, p // page_size]`, slot `p % page_size`.
         query_start_loc (torch.Tensor): `[R + 1]` int32; request r owns rows
@@ -277,12 +289,12 @@ def oracle_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens
         scale (float): logit scale.
         sparse_block_size (int): positions per oracle block, a multiple of 16.
         topk (int): blocks selected per query and KV group.
-        out (torch.Tensor, Optional): `[T, H, D]` in q's dtype; every row is written. Default: `None`.
+        out (torch.Tensor, Optional): `[T, H, Dv]` in q's dtype; every row is written. Default: `None`.
         return_block_scores (bool): also return the group-max scores R (debugging; one host sync).
             Default: `False`.
 
     Returns:
-        out `[T, H, D]` (q's dtype), indices `[T, G, topk]` int32 (ascending, -1 padded), and with
+        out `[T, H, Dv]` (q's dtype), indices `[T, G, topk]` int32 (ascending, -1 padded), and with
         `return_block_scores` the scores `[T, G, ceil(max(seq_lens) / sparse_block_size)]` float32
         (0 where a block has no visible key). Rows past `query_start_loc[-1]` get zeros and -1.
     """

@@ -34,9 +34,9 @@ def top_blocks(scores: torch.Tensor, visible: torch.Tensor, topk: int) -> torch.
 
 
 def attend_rows(q, k, v, pos, scale, sparse_block_size, topk):
-    """Queries `[N, H, D]` at positions `pos` `[N]` over keys and values `[S, G, D]`.
+    """Queries `[N, H, D]` at positions `pos` `[N]` over keys `[S, G, D]` and values `[S, G, Dv]`.
 
-    Returns out `[N, H, D]` float32, indices `[N, G, topk]` and scores R `[N, G, NB]`.
+    Returns out `[N, H, Dv]` float32, indices `[N, G, topk]` and scores R `[N, G, NB]`.
     """
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     group = num_heads // num_kv_heads
@@ -63,8 +63,8 @@ def oracle_attention_naive(q, k_cache, v_cache, block_table, query_start_loc, se
     num_kv_heads = k_cache.shape[1]
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     num_blocks = -(-max(lens, default=0) // sparse_block_size)
-    if out is None:
-        out = torch.empty_like(q)
+    if out is None:  # values, so outputs, are v_cache's width (SPEC §2.6)
+        out = torch.empty(*q.shape[:2], v_cache.shape[3], dtype=q.dtype, device=q.device)
     out.zero_()
     indices = torch.full((num_tokens, num_kv_heads, topk), -1, dtype=torch.int32, device=q.device)
     scores = torch.zeros(num_tokens, num_kv_heads, num_blocks, dtype=torch.float32, device=q.device)

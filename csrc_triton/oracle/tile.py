@@ -59,10 +59,12 @@ def attend_tile(
     num_score_blocks,
     qk_scale,
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     SPARSE_BLOCK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     KP: tl.constexpr,
     STORE_SCORES: tl.constexpr,
     DOT_FP32: tl.constexpr,
@@ -71,12 +73,15 @@ def attend_tile(
 
     `b_run` `[BM]` carries a sparse block's max across tiles when the block is
     longer than a tile. `p_u` `[BM]` points at each row's raw block maxima (written only when
-    STORE_SCORES, for rows in `m_row`).
+    STORE_SCORES, for rows in `m_row`). Keys are HEAD_DIM wide, values and
+    `b_acc` HEAD_DIM_V wide (SPEC §2.6).
     """
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o_d = tl.arange(0, BLOCK_D)
     m_n = o_n < kv_len
     m_d = o_d < HEAD_DIM
+    o_dv = tl.arange(0, BLOCK_DV)
+    m_dv = o_dv < HEAD_DIM_V
     # [BLOCK_N] physical page and slot of every key; int64 before any stride multiply
     i_pg = tl.load(p_bt + o_n // PAGE_SIZE, mask=m_n, other=0).to(tl.int64)
     o_slot = (o_n % PAGE_SIZE).to(tl.int64)
@@ -124,9 +129,9 @@ def attend_tile(
     b_p = tl.exp2(b_s - b_shift[:, None])
     b_alpha = tl.exp2(b_m - b_shift)
     b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
-    # [BLOCK_N, BLOCK_D]; masked so NaN in unwritten slots never reaches 0 * NaN
-    b_v = tl.load(p_v + i_pg[:, None] * stride_v_p + o_slot[:, None] * stride_v_s + o_d[None, :] * stride_v_d,
-                  mask=m_n[:, None] & m_d[None, :], other=0.0)
+    # [BLOCK_N, BLOCK_DV]; masked so NaN in unwritten slots never reaches 0 * NaN
+    b_v = tl.load(p_v + i_pg[:, None] * stride_v_p + o_slot[:, None] * stride_v_s + o_dv[None, :] * stride_v_d,
+                  mask=m_n[:, None] & m_dv[None, :], other=0.0)
     if DOT_FP32:
         b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p, b_v.to(tl.float32), input_precision="ieee")
     else:

@@ -68,7 +68,7 @@ def token_oracle_attention_batched(q, k_cache, v_cache, block_table, query_start
                                    plan: BatchPlan | None = None):
     """`token_oracle_attention` in batched PyTorch; `plan` (from `make_plan`) spares the host read of the batch.
 
-    Returns out `[T, H, D]` and positions `[T, G, topk_tokens + recent_window]` int32; rows past the last
+    Returns out `[T, H, Dv]` and positions `[T, G, topk_tokens + recent_window]` int32; rows past the last
     request get 0 and -1.
     """
     if score_head_reduce not in REDUCES:

@@ -103,8 +103,8 @@ def key_logits(b_q, i_n, kv_len, p_bt, p_k, stride_k_p, stride_k_s, stride_k_d, 
 def token_oracle_stats_kernel(
     q,  # [T, H, D]
     k_cache,  # [num_pages, G, page_size, D]
-    v_cache,  # [num_pages, G, page_size, D]
-    part_o,  # [T, H, NUM_SPLITS, BLOCK_D] float32, unnormalised
+    v_cache,  # [num_pages, G, page_size, Dv]
+    part_o,  # [T, H, NUM_SPLITS, BLOCK_DV] float32, unnormalised
     part_m,  # [T, H, NUM_SPLITS] float32 base-2 running max
     part_l,  # [T, H, NUM_SPLITS] float32 softmax denominator
     block_table,  # [R, max_pages] int32
@@ -118,6 +118,7 @@ def token_oracle_stats_kernel(
     stride_bt_r,
     HEADS_PER_GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -125,6 +126,7 @@ def token_oracle_stats_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
     """Pass 1: the online-softmax partials of one split of the keys of one q-block and KV group."""
@@ -142,12 +144,15 @@ def token_oracle_stats_kernel(
                                                 BLOCK_Q=BLOCK_Q, BLOCK_H=BLOCK_H, BLOCK_M=BLOCK_M)
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < HEAD_DIM
+    # values (and the partial outputs) are HEAD_DIM_V wide (SPEC §2.6)
+    o_dv = tl.arange(0, BLOCK_DV)
+    m_dv = o_dv < HEAD_DIM_V
     # [BLOCK_M, BLOCK_D]
     b_q = tl.load(q + o_t[:, None] * stride_q_t + i_h[:, None] * stride_q_h + o_d[None, :] * stride_q_d,
                   mask=m_row[:, None] & m_d[None, :], other=0.0)
     if DOT_FP32:
         b_q = b_q.to(tl.float32)
-    b_acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    b_acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     b_m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     b_l = tl.zeros([BLOCK_M], tl.float32)
 
@@ -172,9 +177,9 @@ def token_oracle_stats_kernel(
         b_alpha = tl.exp2(b_m - b_shift)
         b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
         b_m = b_mt
-        # [BLOCK_N, BLOCK_D]; masked so NaN in unwritten slots never reaches 0 * NaN
-        b_v = tl.load(p_v + i_pg[:, None] * stride_v_p + o_slot[:, None] * stride_v_s + o_d[None, :] * stride_v_d,
-                      mask=m_n[:, None] & m_d[None, :], other=0.0)
+        # [BLOCK_N, BLOCK_DV]; masked so NaN in unwritten slots never reaches 0 * NaN
+        b_v = tl.load(p_v + i_pg[:, None] * stride_v_p + o_slot[:, None] * stride_v_s + o_dv[None, :] * stride_v_d,
+                      mask=m_n[:, None] & m_dv[None, :], other=0.0)
         if DOT_FP32:
             b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p, b_v.to(tl.float32), input_precision="ieee")
         else:
@@ -182,7 +187,7 @@ def token_oracle_stats_kernel(
 
     # every split stores, an empty one too (m = -inf, l = 0, acc = 0)
     i_part = (o_t * num_heads + i_h) * NUM_SPLITS + i_s
-    tl.store(part_o + i_part[:, None] * BLOCK_D + o_d[None, :], b_acc, mask=m_row[:, None])
+    tl.store(part_o + i_part[:, None] * BLOCK_DV + o_dv[None, :], b_acc, mask=m_row[:, None])
     tl.store(part_m + i_part, b_m, mask=m_row)
     tl.store(part_l + i_part, b_l, mask=m_row)
 
@@ -191,7 +196,7 @@ def token_oracle_stats_kernel(
 def token_oracle_score_kernel(
     q,  # [T, H, D]
     k_cache,  # [num_pages, G, page_size, D]
-    out,  # [T, H, D]
+    out,  # [T, H, Dv]
     part_o, part_m, part_l,  # pass-1 partials, see token_oracle_stats_kernel
     row_pos,  # [T] int32 query position of every row, -1 for padding rows
     keys,  # [row_hi - row_lo, G, key_width] int64 candidate keys, -1 where never written
@@ -212,6 +217,7 @@ def token_oracle_score_kernel(
     stride_bt_r,
     HEADS_PER_GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -219,6 +225,7 @@ def token_oracle_score_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     REDUCE_SUM: tl.constexpr,
     SCORE: tl.constexpr,
     DOT_FP32: tl.constexpr,
@@ -242,6 +249,8 @@ def token_oracle_score_kernel(
     m_chunk = (o_t >= row_lo) & (o_t < row_hi)
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < HEAD_DIM
+    o_dv = tl.arange(0, BLOCK_DV)
+    m_dv = o_dv < HEAD_DIM_V
 
     # merge the splits by log-sum-exp; empty splits have m = -inf and weigh 0
     i_row = (o_t * num_heads + i_h) * NUM_SPLITS
@@ -266,15 +275,15 @@ def token_oracle_score_kernel(
     m_qchunk = (o_tq >= row_lo) & (o_tq < row_hi)
     pos_q = seq_len - q_len + o_qq
     if i_s == 0:
-        p_po = part_o + (i_row * BLOCK_D)[:, None] + o_d[None, :]
-        b_o = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        p_po = part_o + (i_row * BLOCK_DV)[:, None] + o_dv[None, :]
+        b_o = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
         for i_sp in range(NUM_SPLITS):
             b_ws = tl.exp2(tl.load(part_m + i_row + i_sp, mask=m_row, other=float("-inf")) - b_mx)
-            b_o += b_ws[:, None] * tl.load(p_po + i_sp * BLOCK_D, mask=m_row[:, None], other=0.0)
+            b_o += b_ws[:, None] * tl.load(p_po + i_sp * BLOCK_DV, mask=m_row[:, None], other=0.0)
         b_o = b_o / b_l[:, None]
         # padding rows past the last request get zeros
-        tl.store(out + o_t[:, None] * stride_o_t + i_h[:, None] * stride_o_h + o_d[None, :] * stride_o_d,
-                 b_o.to(out.dtype.element_ty), mask=((m_row | m_pad) & m_chunk)[:, None] & m_d[None, :])
+        tl.store(out + o_t[:, None] * stride_o_t + i_h[:, None] * stride_o_h + o_dv[None, :] * stride_o_d,
+                 b_o.to(out.dtype.element_ty), mask=((m_row | m_pad) & m_chunk)[:, None] & m_dv[None, :])
         tl.store(row_pos + o_tq, tl.where(m_q, pos_q, -1), mask=(m_q | m_qpad) & m_qchunk)
 
     if SCORE:
@@ -331,26 +340,32 @@ def default_num_splits(num_tokens, num_reqs, num_kv_heads, max_keys, block_n):
     return min(MAX_SPLITS, triton.next_power_of_2(max(1, max_keys // (4 * block_n))))
 
 
-def launch_config(head_dim, heads_per_group, page_size, block_q, dot_fp32):
+def launch_config(head_dim, heads_per_group, page_size, block_q, dot_fp32, head_dim_v=None):
     """The one fixed config of both kernels (without NUM_SPLITS), as launch keywords.
 
     Chosen from sm_90 AOT builds with triton 3.9: with these, no tested (heads per group,
     head dim) spills, where 4 warps spill from head dim 80 up and 64-row blocks spill at 128.
     tests/kernels_aot builds them at the presets' shapes (triton 3.6 too: see num_warps).
+    With a value head dim of its own (SPEC §2.6) the wider of the two sets the tiles.
     """
     assert block_q >= 1 and block_q & (block_q - 1) == 0, f"block_q must be a power of two (got {block_q})"
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
     block_h = triton.next_power_of_2(heads_per_group)
     block_d = max(16, triton.next_power_of_2(head_dim))
+    block_dv = max(16, triton.next_power_of_2(head_dim_v))
+    widest = max(block_d, block_dv)
     # 64-key tiles; 32 at head dim 256, on the many-rows path at 128, and for ieee fp32 dots
-    block_n = 32 if (dot_fp32 or block_d > 128 or (block_q > 1 and block_d >= 128)) else 64
+    block_n = 32 if (dot_fp32 or widest > 128 or (block_q > 1 and widest >= 128)) else 64
     return {
-        "HEADS_PER_GROUP": heads_per_group, "HEAD_DIM": head_dim, "PAGE_SIZE": page_size, "BLOCK_Q": block_q,
-        "BLOCK_H": block_h,
+        "HEADS_PER_GROUP": heads_per_group, "HEAD_DIM": head_dim, "HEAD_DIM_V": head_dim_v, "PAGE_SIZE": page_size,
+        "BLOCK_Q": block_q, "BLOCK_H": block_h,
         # tl.dot needs at least 16 rows on GPUs; padded rows are masked
         "BLOCK_M": max(16, block_q * block_h),
-        "BLOCK_N": block_n, "BLOCK_D": block_d, "DOT_FP32": dot_fp32,
-        # 8 warps spill 12 B on the many-rows 32-row tiles at head dim 128 with triton 3.6
-        "num_warps": 4 if block_d < 64 or (block_q > 1 and block_d == 128) else 8,
+        "BLOCK_N": block_n, "BLOCK_D": block_d, "BLOCK_DV": block_dv, "DOT_FP32": dot_fp32,
+        # 8 warps spill 12 B on the many-rows 32-row tiles at head dim 128 with triton 3.6, and 4 B on
+        # one-row programs at q/k 192 (tiled as 256) with v 128; 4 warps do not (sm_90 AOT builds)
+        "num_warps": 4 if widest < 64 or (block_q > 1 and widest == 128) or (block_q == 1 and block_d != block_dv)
+        else 8,
     }
 
 
@@ -408,20 +423,20 @@ def token_oracle_fwd(q, k_cache, v_cache, block_table, query_start_loc, seq_lens
     heads_per_group = num_heads // num_kv_heads
     if block_q is None:
         block_q = 1 if num_tokens == num_reqs else max(1, PREFILL_ROWS // triton.next_power_of_2(heads_per_group))
-    meta = launch_config(head_dim, heads_per_group, page_size, block_q, dot_fp32)
+    meta = launch_config(head_dim, heads_per_group, page_size, block_q, dot_fp32, v_cache.shape[3])
     if num_splits is None:
         num_splits = default_num_splits(num_tokens, num_reqs, num_kv_heads, max_keys, meta["BLOCK_N"])
     assert num_splits >= 1 and num_splits & (num_splits - 1) == 0, \
         f"num_splits must be a power of two (got {num_splits})"
     meta["NUM_SPLITS"] = num_splits
-    block_d = meta["BLOCK_D"]
+    block_dv = meta["BLOCK_DV"]
     num_programs = num_tokens if block_q == 1 else num_tokens // block_q + num_reqs
     qk_scale = float(scale) * LOG2E
     q_strides = {"stride_q_t": q.stride(0), "stride_q_h": q.stride(1), "stride_q_d": q.stride(2)}
     k_strides = {"stride_k_p": k_cache.stride(0), "stride_k_g": k_cache.stride(1), "stride_k_s": k_cache.stride(2),
                  "stride_k_d": k_cache.stride(3)}
 
-    part_o = torch.empty((num_tokens, num_heads, num_splits, block_d), dtype=torch.float32, device=q.device)
+    part_o = torch.empty((num_tokens, num_heads, num_splits, block_dv), dtype=torch.float32, device=q.device)
     part_m = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
     token_oracle_stats_kernel[(num_programs, num_kv_heads, num_splits)](
@@ -468,7 +483,8 @@ def token_oracle_attention(q, k_cache, v_cache, block_table, query_start_loc, se
 
     Args:
         q (torch.Tensor): `[T, H, D]`, any strides; fp16, bf16 or fp32.
-        k_cache, v_cache (torch.Tensor): `[num_pages, G, page_size, D]`, any strides, q's dtype.
+        k_cache (torch.Tensor): `[num_pages, G, page_size, D]`, any strides, q's dtype.
+        v_cache (torch.Tensor): `[num_pages, G, page_size, Dv]`, any strides, q's dtype (Dv may differ from D).
         block_table (torch.Tensor): `[R, max_pages]` int32; position p of request r is in page
             `block_table[r, p // page_size]`, slot `p % page_size`.
         query_start_loc (torch.Tensor): `[R + 1]` int32; request r owns rows
@@ -479,10 +495,10 @@ def token_oracle_attention(q, k_cache, v_cache, block_table, query_start_loc, se
         recent_window (int): w, the window `[max(0, t - w + 1), t]` always kept.
         score_head_reduce (str): `"max"` or `"sum"` of the exact probabilities over a group's heads.
             Default: `"max"`.
-        out (torch.Tensor, Optional): `[T, H, D]` in q's dtype; every row is written. Default: `None`.
+        out (torch.Tensor, Optional): `[T, H, Dv]` in q's dtype; every row is written. Default: `None`.
 
     Returns:
-        out `[T, H, D]` (causal attention, no sink) and token_indices `[T, G, topk_tokens + recent_window]`
+        out `[T, H, Dv]` (causal attention, no sink) and token_indices `[T, G, topk_tokens + recent_window]`
         int32: `S_t` ascending, -1 padded at the end (`|S_t| = min(t + 1, topk_tokens + recent_window)`).
         Rows past `query_start_loc[-1]` get zeros and -1.
     """

@@ -41,9 +41,9 @@ def select_tokens(r, pos, topk_tokens, recent_window):
 
 
 def attend_rows(q, k, v, pos, scale, topk_tokens, recent_window, reduce):
-    """Queries `[N, H, D]` at positions `pos` `[N]` over keys and values `[S, G, D]` (float32).
+    """Queries `[N, H, D]` at positions `pos` `[N]` over keys `[S, G, D]` and values `[S, G, Dv]` (float32).
 
-    Returns out `[N, H, D]` float32 and the selected positions `[N, G, topk_tokens + recent_window]`.
+    Returns out `[N, H, Dv]` float32 and the selected positions `[N, G, topk_tokens + recent_window]`.
     """
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     group = num_heads // num_kv_heads
@@ -69,8 +69,8 @@ def token_oracle_attention_naive(q, k_cache, v_cache, block_table, query_start_l
     num_kv_heads = k_cache.shape[1]
     width = topk_tokens + recent_window
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
-    if out is None:
-        out = torch.empty_like(q)
+    if out is None:  # values, so outputs, are v_cache's width (SPEC §2.6)
+        out = torch.empty(*q.shape[:2], v_cache.shape[3], dtype=q.dtype, device=q.device)
     out.zero_()
     indices = torch.full((num_tokens, num_kv_heads, width), -1, dtype=torch.int32, device=q.device)
     for r, seq_len in enumerate(lens):

@@ -19,8 +19,8 @@ from csrc_triton.paged_args import check_paged_batch
 def token_sparse_attn_fwd_kernel(
     q,  # [T, H, D]
     k_cache,  # [num_pages, G, page_size, D]
-    v_cache,  # [num_pages, G, page_size, D]
-    out,  # [T, H, D]
+    v_cache,  # [num_pages, G, page_size, Dv]
+    out,  # [T, H, Dv]
     sinks,  # [H] float32, read only when USE_SINKS
     block_table,  # [R, max_pages] int32
     query_start_loc,  # [R + 1] int32
@@ -37,25 +37,29 @@ def token_sparse_attn_fwd_kernel(
     stride_ti_t, stride_ti_g, stride_ti_s,
     HEADS_PER_GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     USE_SINKS: tl.constexpr,
     DOT_FP32: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     i_t = tl.program_id(0).to(tl.int64)
     i_g = tl.program_id(1).to(tl.int64)
     o_h = tl.arange(0, BLOCK_H)
     o_d = tl.arange(0, BLOCK_D)
+    o_dv = tl.arange(0, BLOCK_DV)
     i_h = i_g * HEADS_PER_GROUP + o_h
     m_hd = (o_h < HEADS_PER_GROUP)[:, None] & (o_d < HEAD_DIM)[None, :]
-    p_o = out + i_t * stride_o_t + i_h[:, None] * stride_o_h + o_d[None, :] * stride_o_d
+    m_hdv = (o_h < HEADS_PER_GROUP)[:, None] & (o_dv < HEAD_DIM_V)[None, :]
+    p_o = out + i_t * stride_o_t + i_h[:, None] * stride_o_h + o_dv[None, :] * stride_o_d
 
     i_r = find_request(query_start_loc, num_reqs, i_t.to(tl.int32))
     if i_r >= num_reqs:
         # a padding row past the last request: write zeros, never leave stale memory
-        tl.store(p_o, tl.zeros([BLOCK_H, BLOCK_D], tl.float32).to(out.dtype.element_ty), mask=m_hd)
+        tl.store(p_o, tl.zeros([BLOCK_H, BLOCK_DV], tl.float32).to(out.dtype.element_ty), mask=m_hdv)
         return
     bos = tl.load(query_start_loc + i_r)
     eos = tl.load(query_start_loc + i_r + 1)
@@ -74,7 +78,7 @@ def token_sparse_attn_fwd_kernel(
     else:
         b_m = tl.full([BLOCK_H], float("-inf"), tl.float32)
         b_l = tl.zeros([BLOCK_H], tl.float32)
-    b_acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    b_acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
 
     p_bt = block_table + i_r.to(tl.int64) * stride_bt_r
     p_k = k_cache + i_g * stride_k_g
@@ -93,13 +97,15 @@ def token_sparse_attn_fwd_kernel(
                 stride_v_p, stride_v_s, stride_v_d,
                 qk_scale,
                 HEAD_DIM=HEAD_DIM,
+                HEAD_DIM_V=HEAD_DIM_V,
                 PAGE_SIZE=PAGE_SIZE,
                 BLOCK_D=BLOCK_D,
+                BLOCK_DV=BLOCK_DV,
                 DOT_FP32=DOT_FP32,
             )
     # no key and no sink: l = 0 and the output is 0
     b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
-    tl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_hd)
+    tl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_hdv)
 
 
 def token_sparse_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, token_indices, *,
@@ -108,7 +114,8 @@ def token_sparse_attention(q, k_cache, v_cache, block_table, query_start_loc, se
 
     Args:
         q (torch.Tensor): `[T, H, D]`, any strides; fp16, bf16 or fp32.
-        k_cache, v_cache (torch.Tensor): `[num_pages, G, page_size, D]`, any strides.
+        k_cache (torch.Tensor): `[num_pages, G, page_size, D]`, any strides.
+        v_cache (torch.Tensor): `[num_pages, G, page_size, Dv]`, any strides (Dv may differ from D).
         block_table (torch.Tensor): `[R, max_pages]` int32; position p of request r is in page
             `block_table[r, p // page_size]`, slot `p % page_size`.
         query_start_loc (torch.Tensor): `[R + 1]` int32; request r owns rows
@@ -117,10 +124,10 @@ def token_sparse_attention(q, k_cache, v_cache, block_table, query_start_loc, se
         token_indices (torch.Tensor): `[T, G, S]` int32 key positions, unique, -1 padded at the end.
         scale (float): logit scale.
         sinks (torch.Tensor, Optional): `[H]` sink logits (unscaled, no value). Default: `None`.
-        out (torch.Tensor, Optional): `[T, H, D]` in q's dtype; every element is written. Default: `None`.
+        out (torch.Tensor, Optional): `[T, H, Dv]` in q's dtype; every element is written. Default: `None`.
 
     Returns:
-        `[T, H, D]` in q's dtype. Positions after the query are ignored; rows past
+        `[T, H, Dv]` in q's dtype. Positions after the query are ignored; rows past
         `query_start_loc[-1]` and rows with neither keys nor sink are 0.
     """
     out, sinks = check_paged_batch(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, out, sinks)
@@ -132,7 +139,9 @@ def token_sparse_attention(q, k_cache, v_cache, block_table, query_start_loc, se
     if num_tokens == 0:
         return out
     heads_per_group = num_heads // num_kv_heads
-    block_h, block_d, block_n, dot_fp32, num_warps = launch_config(q, head_dim, heads_per_group)
+    head_dim_v = v_cache.shape[3]
+    block_h, block_d, block_dv, block_n, dot_fp32, num_warps = launch_config(q, head_dim, heads_per_group,
+                                                                              head_dim_v)
     grid = (num_tokens, num_kv_heads)
     token_sparse_attn_fwd_kernel[grid](
         q=q,
@@ -158,11 +167,13 @@ def token_sparse_attention(q, k_cache, v_cache, block_table, query_start_loc, se
         stride_ti_s=token_indices.stride(2),
         HEADS_PER_GROUP=heads_per_group,
         HEAD_DIM=head_dim,
+        HEAD_DIM_V=head_dim_v,
         PAGE_SIZE=k_cache.shape[2],
         USE_SINKS=sinks is not None,
         DOT_FP32=dot_fp32,
         BLOCK_H=block_h,
         BLOCK_D=block_d,
+        BLOCK_DV=block_dv,
         BLOCK_N=block_n,
         num_warps=num_warps,
     )

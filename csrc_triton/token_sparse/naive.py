@@ -22,8 +22,9 @@ def token_sparse_attention_naive(q, k_cache, v_cache, block_table, query_start_l
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     per_group = num_heads // num_kv_heads
+    head_dim_v = v_cache.shape[3]  # values may be narrower or wider than q/k (SPEC §2.6)
     if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out = torch.empty(num_tokens, num_heads, head_dim_v, dtype=q.dtype, device=q.device)
     out.zero_()
     group_sinks = None if sinks is None else sinks.float().view(num_kv_heads, per_group)
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
@@ -40,5 +41,5 @@ def token_sparse_attention_naive(q, k_cache, v_cache, block_table, query_start_l
             v = gather_paged(v_cache, block_table[r], positions)
             qg = q[s:e].float().view(e - s, num_kv_heads, per_group, head_dim)
             o = sink_attention(qg, k, v, valid, scale, group_sinks)
-            out[s:e] = o.reshape(e - s, num_heads, head_dim).to(out.dtype)
+            out[s:e] = o.reshape(e - s, num_heads, head_dim_v).to(out.dtype)
     return out

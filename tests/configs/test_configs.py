@@ -59,6 +59,33 @@ def test_moe_defaults_are_dense_and_follow_spec():
     assert [m.is_moe_layer(i) for i in range(m.num_hidden_layers)] == [i != 3 for i in range(8)]
 
 
+@pytest.mark.parametrize("cls,kw", [(HySparseConfig, HS), (HySparse2Config, H2)], ids=["hysparse", "hysparse2"])
+def test_v_head_dim_defaults_to_head_dim_and_sizes_v_tensors(cls, kw):
+    from vllm_hysparse.configs.tensors import expected_tensors
+
+    assert cls(**kw).v_head_dim == kw["head_dim"]
+    c = cls(**dict(kw, head_dim=12, v_head_dim=8, swa_rotary_dim=4) if cls is HySparse2Config
+            else dict(kw, head_dim=12, v_head_dim=8))
+    h, g, e = c.num_attention_heads, c.num_key_value_heads, c.hidden_size
+    shapes = expected_tensors(c)
+    for name, shape in shapes.items():
+        leaf = name.split(".")[-2]
+        if leaf in ("v_proj", "swa_v_proj"):
+            assert shape == (g * 8, e), name
+        elif leaf in ("k_proj", "swa_k_proj"):
+            assert shape == (g * 12, e), name
+        elif leaf == "q_proj":
+            assert shape == (h * 12, e), name
+        elif leaf == "o_proj":
+            assert shape == (e, h * 8), name
+        elif leaf.endswith("gate_proj") and ".mlp." not in name:
+            assert shape == (h * 8, e), name
+        elif leaf in ("q_norm", "k_norm", "swa_k_norm"):
+            assert shape == (12,), name
+    headwise = expected_tensors(cls(**dict(kw, v_head_dim=4, gate_type="headwise")))
+    assert all(s == (h, e) for n, s in headwise.items() if n.split(".")[-2].endswith("gate_proj") and ".mlp." not in n)
+
+
 def test_hysparse_oracle_layer():
     assert HySparseConfig(**HS).oracle_layer == {1: 0, 2: 0, 4: 3, 5: 3}
     c = HySparseConfig(**dict(HS, layer_types=[FULL, FULL, SPARSE, FULL]))
@@ -97,6 +124,8 @@ COMMON_BAD = [
     ("intermediate_size", dict(intermediate_size=0)),
     ("head_dim", dict(head_dim=0)),
     ("head_dim", dict(head_dim=7)),
+    ("v_head_dim", dict(v_head_dim=0)),
+    ("v_head_dim", dict(v_head_dim=4.0)),
     ("max_position_embeddings", dict(max_position_embeddings=0)),
     ("swa_window", dict(swa_window=0)),
     ("swa_window", dict(swa_window=-4)),

@@ -27,9 +27,9 @@ class PagedBatch:
     seq_lens_t: torch.Tensor  # [R] int32
     block_table: torch.Tensor  # [R, max_pages] int32, shuffled page order
     k_cache: torch.Tensor  # [num_pages, G, page_size, D], a strided view of one KV tensor
-    v_cache: torch.Tensor  # [num_pages, G, page_size, D]
+    v_cache: torch.Tensor  # [num_pages, G, page_size, Dv]
     keys: list[torch.Tensor]  # per request, [seq_len, G, D] in the cache dtype (dense ground truth)
-    values: list[torch.Tensor]
+    values: list[torch.Tensor]  # per request, [seq_len, G, Dv]
 
     def rows(self):
         """(request, first query row, query position of that row) for every request."""
@@ -45,23 +45,26 @@ class PagedBatch:
 
 
 def make_paged_batch(q_lens, seq_lens, *, num_kv_heads, head_dim, page_size, dtype, seed=0, layout="hnd",
-                     pad_tokens=0, spare_pages=3) -> PagedBatch:
+                     pad_tokens=0, spare_pages=3, head_dim_v=None) -> PagedBatch:
     """Random K/V written into randomly permuted pages; every unwritten slot and spare page is NaN.
 
-    `layout="hnd"` stores the cache as `[pages, G, page, 2D]` (vLLM's logical
-    order), `"nhd"` as `[pages, page, G, 2D]` viewed in logical order. Unused
+    `layout="hnd"` stores the cache as `[pages, G, page, D + Dv]` (vLLM's logical
+    order), `"nhd"` as `[pages, page, G, D + Dv]` viewed in logical order. Unused
     block-table entries point at a NaN page, so a stray lookup poisons the output.
+    `head_dim_v` (Dv, default D) is the value head dim (SPEC §2.6).
     """
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
     g = torch.Generator().manual_seed(seed)
     n_pages = [-(-s // page_size) for s in seq_lens]
     total = sum(n_pages) + spare_pages
     order = torch.randperm(total, generator=g)
     spare = order[sum(n_pages):]
-    shape = (total, num_kv_heads, page_size, 2 * head_dim)
+    shape = (total, num_kv_heads, page_size, head_dim + head_dim_v)
     if layout == "hnd":
         kv = torch.full(shape, float("nan"), dtype=dtype)
     elif layout == "nhd":
-        kv = torch.full((total, page_size, num_kv_heads, 2 * head_dim), float("nan"), dtype=dtype).transpose(1, 2)
+        kv = torch.full((total, page_size, num_kv_heads, head_dim + head_dim_v), float("nan"),
+                        dtype=dtype).transpose(1, 2)
     else:
         raise ValueError(layout)
     width = max(n_pages) + 1
@@ -71,7 +74,7 @@ def make_paged_batch(q_lens, seq_lens, *, num_kv_heads, head_dim, page_size, dty
         block_table[r, : n_pages[r]] = order[used: used + n_pages[r]].to(torch.int32)
         used += n_pages[r]
         k = torch.randn(seq_len, num_kv_heads, head_dim, generator=g).to(dtype)
-        v = torch.randn(seq_len, num_kv_heads, head_dim, generator=g).to(dtype)
+        v = torch.randn(seq_len, num_kv_heads, head_dim_v, generator=g).to(dtype)
         p = torch.arange(seq_len)
         kv[block_table[r, p // page_size].long(), :, p % page_size] = torch.cat([k, v], dim=-1)
         keys.append(k)
@@ -97,7 +100,7 @@ def make_paged_batch(q_lens, seq_lens, *, num_kv_heads, head_dim, page_size, dty
 def dense_causal(batch, q, scale, sinks):
     """Causal attention with a sink, in float64, written out per row and head."""
     num_heads = q.shape[1]
-    out = torch.zeros(q.shape, dtype=torch.float64)
+    out = torch.zeros(q.shape[0], num_heads, batch.v_cache.shape[-1], dtype=torch.float64)
     for r, row0, pos0 in batch.rows():
         k, v = batch.keys[r].cpu().double(), batch.values[r].cpu().double()
         for i in range(batch.q_lens[r]):
@@ -116,6 +119,11 @@ def nan_like(x: torch.Tensor) -> torch.Tensor:
     return torch.full_like(x, float("nan"))
 
 
+def nan_out(batch: PagedBatch, q: torch.Tensor) -> torch.Tensor:
+    """`nan_like` of a kernel's output `[T, H, Dv]`: as wide as the values, not the queries."""
+    return torch.full((*q.shape[:2], batch.v_cache.shape[-1]), float("nan"), dtype=q.dtype, device=q.device)
+
+
 @dataclass
 class Case:
     """A paged batch shape for the oracle and block-sparse kernel tests."""
@@ -130,7 +138,13 @@ class Case:
     topk: int = 3
     layout: str = "hnd"
     pad_tokens: int = 0
+    head_dim_v: int | None = None  # None: head_dim
 
     def __str__(self):
         return (f"q{self.q_lens}-s{self.seq_lens}-H{self.num_heads}-G{self.num_kv_heads}-D{self.head_dim}"
-                f"-P{self.page_size}-B{self.block_size}-K{self.topk}-{self.layout}").replace(" ", "")
+                f"{dv_tag(self)}-P{self.page_size}-B{self.block_size}-K{self.topk}-{self.layout}").replace(" ", "")
+
+
+def dv_tag(case) -> str:
+    """`-Dv<n>` in a case id when its value head dim is its own."""
+    return "" if case.head_dim_v is None else f"-Dv{case.head_dim_v}"

@@ -24,7 +24,7 @@ from tests.kernels import test_block_sparse as bs
 from tests.kernels import test_oracle as orc
 from tests.kernels import test_token_oracle as tor
 from tests.kernels import test_token_sparse as ts
-from tests.kernels.conftest import DEVICE, nan_like
+from tests.kernels.conftest import DEVICE, nan_like, nan_out
 
 
 @pytest.fixture(params=["cpp", "masked", "gathered"])
@@ -154,4 +154,51 @@ def test_block_sparse_all_blocks_is_dense_causal(prefill_path):
     ids = bs.all_blocks(batch, case.num_kv_heads, case.block_size)
     ref = bs.dense_causal(batch, q, case.head_dim ** -0.5, sinks).float().to(DEVICE)
     got = bs.run(block_sparse_attention_batched, batch, q, ids, case, sinks, out=nan_like(q))
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- D_k != D_v (SPEC §2.6)
+
+
+def test_cpu_kernels_fall_back_when_head_dims_differ():
+    """The C++ kernels read V as wide as K; a D_k != D_v layout takes the PyTorch path (still one gather)."""
+    case = orc.V_CASES[0]
+    batch, _ = orc.make_inputs(case, torch.float32)
+    assert paged_batch.interleaved(batch.k_cache, batch.v_cache) is not None
+    assert paged_batch.cpu_kernel_pages(batch.k_cache, batch.v_cache) is None
+
+
+@pytest.mark.parametrize("case", orc.V_CASES, ids=str)
+def test_oracle_separate_v_head_dim(case, decode_path):
+    batch, q = orc.make_inputs(case, torch.float32, seed=11)
+    ref = orc.run(oracle_attention_naive, batch, q, case)
+    out = nan_out(batch, q)
+    got = oracle_attention_batched(*oracle_args(batch, q, case), scale=case.head_dim ** -0.5,
+                                   sparse_block_size=case.block_size, topk=case.topk, out=out)
+    assert got[0] is out
+    orc.check_against_naive(case, torch.float32, (*got, ref[2]), ref, batch)
+
+
+@pytest.mark.parametrize("case", tor.V_CASES, ids=str)
+@pytest.mark.parametrize("reduce", ["max", "sum"])
+def test_token_oracle_separate_v_head_dim(case, reduce, decode_path):
+    batch, q = tor.make_inputs(case, torch.float32, seed=12)
+    ref = tor.run(token_oracle_attention_naive, batch, q, case, reduce)
+    got = tor.run(token_oracle_attention_batched, batch, q, case, reduce, out=nan_out(batch, q))
+    tor.check_against_naive(case, torch.float32, reduce, got, ref, batch, q)
+
+
+@pytest.mark.parametrize("family,case", [("block", c) for c in bs.V_CASES] + [("token", c) for c in ts.V_CASES],
+                         ids=lambda x: str(x))
+@pytest.mark.parametrize("use_sinks", [False, True])
+def test_sparse_separate_v_head_dim(family, case, use_sinks, prefill_path):
+    """Masked (CPU flash with zero-padded head dims), gathered and, where asked, C++ (falls back) paths."""
+    module, selection, naive, batched = SPARSE[family]
+    batch, q, sinks = module.make_inputs(case, torch.float32, seed=13)
+    sinks = sinks if use_sinks else None
+    ids = selection(batch, case, 13)
+    ref = module.run(naive, batch, q, ids, case, sinks)
+    out = nan_out(batch, q)
+    got = module.run(batched, batch, q, ids, case, sinks, out=out)
+    assert got is out and not got.isnan().any()
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)

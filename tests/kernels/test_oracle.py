@@ -7,7 +7,7 @@ import torch
 
 from csrc_triton.oracle import oracle_attention, oracle_attention_naive
 from csrc_triton.oracle.kernel import oracle_fwd
-from tests.kernels.conftest import DEVICE, Case, make_paged_batch, nan_like
+from tests.kernels.conftest import DEVICE, Case, make_paged_batch, nan_like, nan_out
 from vllm_hysparse.reference import ops
 
 CASES = [
@@ -33,7 +33,7 @@ LONG = Case([1, 1, 2], [1100, 300, 1030], num_heads=8, num_kv_heads=2, head_dim=
 def make_inputs(case: Case, dtype, seed=0):
     batch = make_paged_batch(case.q_lens, case.seq_lens, num_kv_heads=case.num_kv_heads, head_dim=case.head_dim,
                              page_size=case.page_size, dtype=dtype, seed=seed, layout=case.layout,
-                             pad_tokens=case.pad_tokens)
+                             pad_tokens=case.pad_tokens, head_dim_v=case.head_dim_v)
     g = torch.Generator().manual_seed(seed + 1)
     # a strided q: every other head of a wider projection output
     q = torch.randn(batch.num_tokens, 2 * case.num_heads, case.head_dim, generator=g).to(dtype)[:, ::2]
@@ -170,3 +170,28 @@ def test_oracle_attention_bf16(case):
     torch.testing.assert_close(out, ref_out, atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(scores, ref_scores, atol=1e-5, rtol=1e-4)
     assert_same_topk(ids, ref_ids, ref_scores, atol=1e-5)
+
+
+# SPEC §2.6: a value head dim of its own, both ways; the decode case takes the split-KV kernel
+V_CASES = [
+    Case([64, 20, 1, 1], [64, 47, 17, 33], head_dim=48, head_dim_v=32, pad_tokens=2),
+    Case([1, 1, 1, 1], [1, 16, 65, 200], num_kv_heads=1, head_dim=32, head_dim_v=64, topk=4, pad_tokens=1),
+]
+
+
+@pytest.mark.parametrize("case", V_CASES, ids=str)
+def test_separate_v_head_dim(case):
+    """Naive vs the dense reference ops (output Dv wide, scale by D, selection from q/k only), then every
+    Triton kernel layout vs naive."""
+    batch, q = make_inputs(case, torch.float32)
+    scale = case.head_dim ** -0.5
+    ref = run(oracle_attention_naive, batch, q, case)
+    assert ref[0].shape == (batch.num_tokens, case.num_heads, case.head_dim_v)
+    for r, row0, _ in batch.rows():
+        rows = slice(row0, row0 + batch.q_lens[r])
+        qr, k, v = q[None, rows], batch.keys[r][None], batch.values[r][None]
+        torch.testing.assert_close(ref[0][rows], ops.dense_attention(qr, k, v, scale)[0], atol=1e-5, rtol=1e-5)
+        assert (ref[1][rows] == ops.oracle_block_topk(qr, k, scale, case.block_size, case.topk)[0]).all()
+    for num_splits in (None, 0, 2):
+        got = run(oracle_fwd, batch, q, case, out=nan_out(batch, q), num_splits=num_splits)
+        check_against_naive(case, torch.float32, got, ref, batch)

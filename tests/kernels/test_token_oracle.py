@@ -8,7 +8,7 @@ import torch
 
 from csrc_triton.token_oracle import token_oracle_attention, token_oracle_attention_naive
 from csrc_triton.token_oracle.kernel import token_oracle_fwd
-from tests.kernels.conftest import DEVICE, make_paged_batch, nan_like
+from tests.kernels.conftest import DEVICE, dv_tag, make_paged_batch, nan_like, nan_out
 from vllm_hysparse.reference import ops
 
 
@@ -24,10 +24,11 @@ class Case:
     window: int = 8
     layout: str = "hnd"
     pad_tokens: int = 0
+    head_dim_v: int | None = None  # None: head_dim
 
     def __str__(self):
         return (f"q{self.q_lens}-s{self.seq_lens}-H{self.num_heads}-G{self.num_kv_heads}-D{self.head_dim}"
-                f"-P{self.page_size}-K{self.topk}-W{self.window}-{self.layout}").replace(" ", "")
+                f"{dv_tag(self)}-P{self.page_size}-K{self.topk}-W{self.window}-{self.layout}").replace(" ", "")
 
 
 CASES = [
@@ -50,7 +51,7 @@ LONG = Case([1, 1, 2], [1100, 300, 700], num_heads=8, num_kv_heads=2, head_dim=6
 def make_inputs(case: Case, dtype, seed=0):
     batch = make_paged_batch(case.q_lens, case.seq_lens, num_kv_heads=case.num_kv_heads, head_dim=case.head_dim,
                              page_size=case.page_size, dtype=dtype, seed=seed, layout=case.layout,
-                             pad_tokens=case.pad_tokens)
+                             pad_tokens=case.pad_tokens, head_dim_v=case.head_dim_v)
     g = torch.Generator().manual_seed(seed + 1)
     # a strided q: every other head of a wider projection output
     q = torch.randn(batch.num_tokens, 2 * case.num_heads, case.head_dim, generator=g).to(dtype)[:, ::2]
@@ -256,3 +257,30 @@ def test_scratch_bounded_by_max_seq_len():
     narrow = run(token_oracle_attention, batch, q, case, max_seq_len=max(batch.seq_lens))
     torch.testing.assert_close(narrow[0], wide[0], atol=1e-6, rtol=1e-6)
     assert torch.equal(narrow[1], wide[1])
+
+
+# SPEC §2.6: a value head dim of its own, both ways
+V_CASES = [
+    Case([30, 10, 1, 1, 1], [30, 40, 7, 24, 25], head_dim=48, head_dim_v=32, pad_tokens=2),
+    Case([1, 1, 1, 1], [1, 8, 25, 200], num_kv_heads=1, head_dim=32, head_dim_v=64, page_size=32, pad_tokens=1),
+]
+
+
+@pytest.mark.parametrize("case", V_CASES, ids=str)
+@pytest.mark.parametrize("reduce", ["max", "sum"])
+def test_separate_v_head_dim(case, reduce):
+    """Naive vs the dense reference ops (output Dv wide, scale by D, selection from q/k only), then the Triton
+    kernel's layouts vs naive."""
+    batch, q = make_inputs(case, torch.float32)
+    scale = case.head_dim ** -0.5
+    ref = run(token_oracle_attention_naive, batch, q, case, reduce)
+    assert ref[0].shape == (batch.num_tokens, case.num_heads, case.head_dim_v)
+    for r, row0, _ in batch.rows():
+        rows = slice(row0, row0 + batch.q_lens[r])
+        qr, k, v = q[None, rows], batch.keys[r][None], batch.values[r][None]
+        torch.testing.assert_close(ref[0][rows], ops.dense_attention(qr, k, v, scale)[0], atol=1e-5, rtol=1e-5)
+        assert (ref[1][rows] == ops.token_topk(qr, k, scale, case.topk, case.window, reduce)[0]).all()
+    for num_splits, block_q in ((None, None), (2, 1), (1, 4)):
+        got = run(token_oracle_fwd, batch, q, case, reduce, out=nan_out(batch, q), num_splits=num_splits,
+                  block_q=block_q)
+        check_against_naive(case, torch.float32, reduce, got, ref, batch, q)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from csrc_triton.token_sparse import token_sparse_attention, token_sparse_attention_naive
-from tests.kernels.conftest import DEVICE, dense_causal, make_paged_batch, nan_like
+from tests.kernels.conftest import DEVICE, dv_tag, dense_causal, make_paged_batch, nan_like, nan_out
 from vllm_hysparse.reference import ops
 
 
@@ -23,10 +23,11 @@ class Case:
     topk: int = 12
     layout: str = "hnd"
     pad_tokens: int = 0
+    head_dim_v: int | None = None  # None: head_dim
 
     def __str__(self):
         return (f"q{self.q_lens}-s{self.seq_lens}-H{self.num_heads}-G{self.num_kv_heads}-D{self.head_dim}"
-                f"-P{self.page_size}-W{self.window}-K{self.topk}-{self.layout}").replace(" ", "")
+                f"{dv_tag(self)}-P{self.page_size}-W{self.window}-K{self.topk}-{self.layout}").replace(" ", "")
 
 
 CASES = [
@@ -46,7 +47,7 @@ CASES = [
 def make_inputs(case: Case, dtype, seed=0):
     batch = make_paged_batch(case.q_lens, case.seq_lens, num_kv_heads=case.num_kv_heads, head_dim=case.head_dim,
                              page_size=case.page_size, dtype=dtype, seed=seed, layout=case.layout,
-                             pad_tokens=case.pad_tokens)
+                             pad_tokens=case.pad_tokens, head_dim_v=case.head_dim_v)
     g = torch.Generator().manual_seed(seed + 1)
     # a strided q: every other head of a wider projection output
     q = torch.randn(batch.num_tokens, 2 * case.num_heads, case.head_dim, generator=g).to(dtype)[:, ::2]
@@ -160,3 +161,32 @@ def test_long_context_decode():
     ref = run(token_sparse_attention_naive, batch, q, ids, case, sinks)
     got = run(token_sparse_attention, batch, q, ids, case, sinks, out=nan_like(q))
     torch.testing.assert_close(got, ref, atol=4e-3, rtol=4e-3)
+
+
+# SPEC §2.6: a value head dim of its own, both ways
+V_CASES = [
+    Case([7, 1, 1, 4], [40, 33, 16, 64], head_dim=48, head_dim_v=32, pad_tokens=2),
+    Case([1, 1, 1, 1], [1, 31, 32, 150], num_kv_heads=1, head_dim=32, head_dim_v=64, page_size=32, window=20,
+         topk=80),
+]
+
+
+@pytest.mark.parametrize("case", V_CASES, ids=str)
+@pytest.mark.parametrize("use_sinks", [False, True])
+def test_separate_v_head_dim(case, use_sinks):
+    """Naive vs the dense reference ops, Triton vs naive, all tokens vs explicit dense attention; scale by D."""
+    batch, q, sinks = make_inputs(case, torch.float32)
+    sinks = sinks if use_sinks else None
+    ids = random_tokens(batch, case.num_kv_heads, case.window, case.topk)
+    ref = run(token_sparse_attention_naive, batch, q, ids, case, sinks)
+    assert ref.shape == (batch.num_tokens, case.num_heads, case.head_dim_v)
+    for r, row0, _ in batch.rows():
+        rows = slice(row0, row0 + batch.q_lens[r])
+        want = ops.token_sparse_attention(q[None, rows], batch.keys[r][None], batch.values[r][None],
+                                          ids[None, rows].long(), case.head_dim ** -0.5, sinks)
+        torch.testing.assert_close(ref[rows], want[0], atol=1e-5, rtol=1e-5)
+    got = run(token_sparse_attention, batch, q, ids, case, sinks, out=nan_out(batch, q))
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    dense = dense_causal(batch, q, case.head_dim ** -0.5, sinks).float().to(DEVICE)
+    every = all_tokens(batch, case.num_kv_heads)
+    torch.testing.assert_close(run(token_sparse_attention, batch, q, every, case, sinks), dense, atol=1e-5, rtol=1e-5)

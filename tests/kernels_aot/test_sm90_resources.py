@@ -3,7 +3,8 @@
 
 Shapes: the GQA group size and selection sizes of each preset of the model
 that uses the kernel (`vllm_hysparse.tools.presets`), head dims 64 / 128 /
-256, 16-slot pages, bf16 and fp16. Each launcher runs on `meta` tensors and
+256 and the papers' q/k 192 with v 128 (SPEC §2.6), 16-slot pages, bf16 and
+fp16. Each launcher runs on `meta` tensors and
 its launches are built ahead of time (`sm90.py`), all at once in worker
 processes; a case fails on any spilled byte or on more shared memory than sm_90
 gives a block. The resource table is printed at the end of the run.
@@ -24,7 +25,8 @@ _SKIP = skip_reason()
 pytestmark = pytest.mark.skipif(_SKIP is not None, reason=f"sm_90 AOT builds unavailable: {_SKIP}")
 
 PAGE_SIZE = 16
-HEAD_DIMS = (64, 128, 256)
+# (q/k head dim, v head dim)
+HEAD_DIMS = ((64, 64), (128, 128), (256, 256), (192, 128))
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # two KV groups per program grid; G only sizes the grid, never a compiled constant
 NUM_KV_HEADS = 2
@@ -44,13 +46,15 @@ class Shape:
     heads_per_group: int
     head_dim: int
     dtype: str
+    head_dim_v: int = 0  # 0: head_dim
     block_size: int = 0  # HySparse: sparse_block_size, sparse_topk_blocks
     topk_blocks: int = 0
     topk_tokens: int = 0  # HySparse2: sparse_topk_tokens, recent_window
     window: int = 0
 
     def __str__(self):
-        return f"{self.preset.replace('/', '-')}-hpg{self.heads_per_group}-d{self.head_dim}-{self.dtype}"
+        dv = f"v{self.head_dim_v}" if self.head_dim_v not in (0, self.head_dim) else ""
+        return f"{self.preset.replace('/', '-')}-hpg{self.heads_per_group}-d{self.head_dim}{dv}-{self.dtype}"
 
 
 def preset_shapes(model: str, dtypes=tuple(DTYPES)) -> list[Shape]:
@@ -58,9 +62,9 @@ def preset_shapes(model: str, dtypes=tuple(DTYPES)) -> list[Shape]:
     shapes = []
     for name, cfg in PRESETS[model].items():
         hpg = cfg["num_attention_heads"] // cfg["num_key_value_heads"]
-        for d in HEAD_DIMS:
+        for d, dv in HEAD_DIMS:
             for dt in dtypes:
-                shapes.append(Shape(f"{model}/{name}", hpg, d, dt,
+                shapes.append(Shape(f"{model}/{name}", hpg, d, dt, head_dim_v=dv,
                                     block_size=cfg.get("sparse_block_size", 0),
                                     topk_blocks=cfg.get("sparse_topk_blocks", 0),
                                     topk_tokens=cfg.get("sparse_topk_tokens", 0),
@@ -71,15 +75,16 @@ def preset_shapes(model: str, dtypes=tuple(DTYPES)) -> list[Shape]:
 def paged_batch(shape: Shape, num_reqs: int, num_tokens: int, max_keys: int):
     """Meta tensors of a vLLM paged batch: (q, k_cache, v_cache, block_table, query_start_loc, seq_lens).
 
-    q `[T, H, D]`; k/v `[pages, G, PAGE_SIZE, D]` views of one `[pages, G, PAGE_SIZE, 2D]`
-    tensor (vLLM's layout); block_table `[R, max_keys / PAGE_SIZE]`.
+    q `[T, H, D]`; k `[pages, G, PAGE_SIZE, D]` and v `[pages, G, PAGE_SIZE, Dv]` views of one
+    `[pages, G, PAGE_SIZE, D + Dv]` tensor (vLLM's layout); block_table `[R, max_keys / PAGE_SIZE]`.
     """
     meta = {"device": "meta"}
     dtype = DTYPES[shape.dtype]
     d, h, g = shape.head_dim, shape.heads_per_group * NUM_KV_HEADS, NUM_KV_HEADS
+    dv = shape.head_dim_v or d
     max_pages = max_keys // PAGE_SIZE
     q = torch.empty(num_tokens, h, d, dtype=dtype, **meta)
-    kv = torch.empty(num_reqs * max_pages, g, PAGE_SIZE, 2 * d, dtype=dtype, **meta)
+    kv = torch.empty(num_reqs * max_pages, g, PAGE_SIZE, d + dv, dtype=dtype, **meta)
     block_table = torch.empty(num_reqs, max_pages, dtype=torch.int32, **meta)
     query_start_loc = torch.empty(num_reqs + 1, dtype=torch.int32, **meta)
     seq_lens = torch.empty(num_reqs, dtype=torch.int32, **meta)
@@ -151,7 +156,7 @@ KINDS = {
 CASES = [pytest.param(kind, shape, id=f"{kind}-{shape}") for kind, (_, _, model, dtypes) in KINDS.items()
          for shape in preset_shapes(model, dtypes)]
 
-_CONFIG_KEYS = ("BLOCK_Q", "BLOCK_M", "BLOCK_H", "BLOCK_N", "BLOCK_D", "NUM_SPLITS")
+_CONFIG_KEYS = ("BLOCK_Q", "BLOCK_M", "BLOCK_H", "BLOCK_N", "BLOCK_D", "BLOCK_DV", "NUM_SPLITS")
 
 
 def describe(kwargs: dict) -> str:

@@ -55,10 +55,14 @@ class HostReadCounter:
         monkeypatch.setattr(HySparseAttentionImpl, "forward", guarded)
 
 
-@pytest.fixture(params=["hysparse", "hysparse2"])
+# `-vdim`: v_head_dim != head_dim (SPEC §2.6), where window and plain full layers run on the `window`
+# and `dense` roles too
+@pytest.fixture(params=["hysparse", "hysparse2", "hysparse-vdim", "hysparse2-vdim"])
 def llm(request, tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    ckpt = write_checkpoint(tmp_path / request.param, request.param, "tiny", seed=5)
+    arch, _, variant = request.param.partition("-")
+    overrides = {"v_head_dim": 32} if variant == "vdim" else None
+    ckpt = write_checkpoint(tmp_path / request.param, arch, "tiny", seed=5, overrides=overrides)
     engine = make_llm(ckpt, enforce_eager=True, block_size=32, max_num_batched_tokens=64, max_num_seqs=8)
     yield engine
     shutdown(engine)

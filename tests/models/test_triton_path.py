@@ -25,9 +25,12 @@ def kernel_paths(worker) -> dict[str, str | None]:
             if isinstance(getattr(layer, "impl", None), HySparseAttentionImpl) and layer.impl.role != "kv_owner"}
 
 
+# `vdim`: v_head_dim != head_dim (SPEC §2.6); every layer then runs on our backend, window and plain full
+# layers included
+@pytest.mark.parametrize("overrides", [None, {"v_head_dim": 32}], ids=["same-dims", "vdim"])
 @pytest.mark.parametrize("arch", ["hysparse", "hysparse2"])
-def test_triton_kernels_in_engine_match_reference(arch, tmp_path):
-    ckpt = write_checkpoint(tmp_path / arch, arch, "tiny", seed=31)
+def test_triton_kernels_in_engine_match_reference(arch, overrides, tmp_path):
+    ckpt = write_checkpoint(tmp_path / arch, arch, "tiny", seed=31, overrides=overrides)
     reference = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     prompts = random_prompts([5, 40, 70], reference.config.vocab_size, seed=32)
     with pytest.MonkeyPatch.context() as mp:

@@ -223,6 +223,7 @@ def lm_logits(sd, c, h):
 def hysparse_forward(sd, c, ids, sparse_selection=True, kv_sharing=True, swa_branch=True):
     """Logits of SPEC §3.1/§3.2 HySparse from a state dict and a config dict, by loops."""
     nh, ng, d = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    dv = c.get("v_head_dim") or d  # SPEC §2.6: V (and o_proj's input) may be narrower than q/k
     eps, bs, topk, win = c["rms_norm_eps"], c["sparse_block_size"], c["sparse_topk_blocks"], c["swa_window"]
     theta, scale, qkn = c["rope_theta"], d**-0.5, c.get("qk_norm", False)
     rs = c.get("rope_scaling") or {}
@@ -241,14 +242,14 @@ def hysparse_forward(sd, c, ids, sparse_selection=True, kv_sharing=True, swa_bra
             q = rms(q, sd[a + "q_norm.weight"], eps)
         q = rope(q, pos, theta, factor=factor)
         if kind == "full_attention":
-            k, v = heads(lin(sd, a + "k_proj", x), d), heads(lin(sd, a + "v_proj", x), d)
+            k, v = heads(lin(sd, a + "k_proj", x), d), heads(lin(sd, a + "v_proj", x), dv)
             if qkn:
                 k = rms(k, sd[a + "k_norm.weight"], eps)
             k = rope(k, pos, theta, factor=factor)
             o = brute_attention(q, k, v, scale, lambda b, t, hh: range(t + 1))
             shared = (k, v, brute_block_topk(q, k, scale, bs, topk))
         else:
-            ks, vs = heads(lin(sd, a + "swa_k_proj", x), d), heads(lin(sd, a + "swa_v_proj", x), d)
+            ks, vs = heads(lin(sd, a + "swa_k_proj", x), d), heads(lin(sd, a + "swa_v_proj", x), dv)
             if qkn:
                 ks = rms(ks, sd[a + "swa_k_norm.weight"], eps)
             ks = rope(ks, pos, theta, factor=factor)
@@ -271,7 +272,7 @@ def hysparse_forward(sd, c, ids, sparse_selection=True, kv_sharing=True, swa_bra
             gs = torch.sigmoid(lin(sd, a + "sparse_gate_proj", x)).view(bsz, T, nh, -1)
             gw = torch.sigmoid(lin(sd, a + "swa_gate_proj", x)).view(bsz, T, nh, -1)
             o = gs * o_sa + gw * o_w
-        h = h + lin(sd, a + "o_proj", o.reshape(bsz, T, nh * d))
+        h = h + lin(sd, a + "o_proj", o.reshape(bsz, T, nh * dv))
         h = h + mlp(sd, c, p, rms(h, sd[p + "post_attention_layernorm.weight"], eps))
     return lm_logits(sd, c, h)
 
@@ -285,6 +286,7 @@ def hysparse2_forward(sd, c, ids, token_selection=True, forced_window=True, brid
     (/ `k_norm`) of that layer, which the caller adds (a checkpoint has none).
     """
     nh, ng, d = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    dv = c.get("v_head_dim") or d
     eps, scale, qkn = c["rms_norm_eps"], d**-0.5, c.get("qk_norm", False)
     n_self, types = c["num_self_decoder_layers"], c["layer_types"]
     full_rope = c.get("full_rope", False)
@@ -316,7 +318,7 @@ def hysparse2_forward(sd, c, ids, token_selection=True, forced_window=True, brid
                     s = c["bridge_sources"][n_cross_full]
                     src = rms(sources[s], sd[a + "bridge_norm.weight"], eps)
                 n_cross_full += 1
-            k, v = heads(lin(sd, a + "k_proj", src), d), heads(lin(sd, a + "v_proj", src), d)
+            k, v = heads(lin(sd, a + "k_proj", src), d), heads(lin(sd, a + "v_proj", src), dv)
             if qkn:
                 k = rms(k, sd[a + "k_norm.weight"], eps)
         if kind == "sliding_attention":
@@ -346,6 +348,6 @@ def hysparse2_forward(sd, c, ids, token_selection=True, forced_window=True, brid
                 return [int(j) for j in sel[b, t, group_of(hh, nh, ng)] if 0 <= int(j) <= t]
 
             o = gated(a, x, brute_attention(q, k, v, scale, keys, sd.get(a + "sinks")))
-        h = h + lin(sd, a + "o_proj", o.reshape(bsz, T, nh * d))
+        h = h + lin(sd, a + "o_proj", o.reshape(bsz, T, nh * dv))
         h = h + mlp(sd, c, p, rms(h, sd[p + "post_attention_layernorm.weight"], eps))
     return lm_logits(sd, c, h)

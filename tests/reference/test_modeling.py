@@ -108,6 +108,9 @@ HS_VARIANTS = {
     # Qwen3-MoE style, with a dense first layer.
     "moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True,
                 mlp_only_layers=[0]),
+    # SPEC §2.6: q/k and v head dims differ (the papers' 192 / 128, scaled down), both ways.
+    "vdim-narrow": dict(head_dim=12, v_head_dim=8),
+    "vdim-wide-headwise-qknorm": dict(v_head_dim=10, gate_type="headwise", qk_norm=True),
 }
 
 
@@ -134,6 +137,8 @@ H2_VARIANTS = {
     # Qwen2-MoE style: not renormalised, a sigmoid-gated shared expert.
     "moe-shared": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                        shared_expert_intermediate_size=24),
+    "vdim-narrow-rope": dict(head_dim=12, v_head_dim=8, full_rope=True),
+    "vdim-wide-gqa-headwise-qknorm": dict(num_key_value_heads=2, v_head_dim=10, gate_type="headwise", qk_norm=True),
 }
 
 
@@ -158,14 +163,14 @@ def test_hysparse2_matches_loop_oracle(variant, switch):
 def own_kv_tensors(model, seed: int) -> dict[int, dict[str, torch.Tensor]]:
     """Random dense-layer K/V tensors (named as in `self_attn`) for every cross sparse layer."""
     cfg, g = model.config, gen(seed)
-    width = cfg.num_key_value_heads * cfg.head_dim
+    width = {"k": cfg.num_key_value_heads * cfg.head_dim, "v": cfg.num_key_value_heads * cfg.v_head_dim}
     out = {}
     for i, kind in enumerate(cfg.layer_types):
         if kind != SPARSE:
             continue
-        t = {f"{n}_proj.weight": randn(g, width, cfg.hidden_size, std=cfg.hidden_size**-0.5) for n in "kv"}
+        t = {f"{n}_proj.weight": randn(g, width[n], cfg.hidden_size, std=cfg.hidden_size**-0.5) for n in "kv"}
         if cfg.attention_bias:
-            t.update({f"{n}_proj.bias": 0.2 * randn(g, width) for n in "kv"})
+            t.update({f"{n}_proj.bias": 0.2 * randn(g, width[n]) for n in "kv"})
         if cfg.qk_norm:
             t["k_norm.weight"] = 1.0 + 0.3 * randn(g, cfg.head_dim)
         out[i] = t
@@ -307,8 +312,9 @@ def run_incrementally(model, ids, pieces, first_keep=0):
     return out
 
 
-@pytest.mark.parametrize("make", [make_hs, lambda seed: make_hs(seed, gate_type="headwise", qk_norm=True)],
-                         ids=["hysparse", "hysparse-headwise-qknorm"])
+@pytest.mark.parametrize("make", [make_hs, lambda seed: make_hs(seed, gate_type="headwise", qk_norm=True),
+                                  lambda seed: make_hs(seed, head_dim=12, v_head_dim=8)],
+                         ids=["hysparse", "hysparse-headwise-qknorm", "hysparse-vdim"])
 def test_hysparse_cache_matches_full_forward(make):
     model = make(41)
     pieces = [7, 1, 1, 1, 5, 1, 1]
@@ -322,6 +328,7 @@ H2_CACHE_VARIANTS = {
     "nope-max": {},
     "rope-sum": dict(full_rope=True, score_head_reduce="sum"),
     "two-sources": H2_TWO_SOURCES,
+    "vdim-narrow": dict(head_dim=12, v_head_dim=8),
 }
 
 

@@ -264,6 +264,40 @@ def test_sparse_layer_vs_loops_with_selection():
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("d,dv", [(12, 8), (8, 12)], ids=["narrow-v", "wide-v"])
+def test_every_attention_op_with_separate_v_head_dim_vs_loops(d, dv):
+    """SPEC §2.6: outputs are Dv wide, the scale is head_dim ** -0.5, and selections see only q/k."""
+    g = gen(470 + d)
+    bsz, t, nh, ng, bs, win = 2, 14, 4, 2, 3, 4
+    scale = d**-0.5
+    q = randn(g, bsz, t, nh, d, std=2.0)
+    kf, ks = randn(g, bsz, t, ng, d), randn(g, bsz, t, ng, d)
+    vf, vs = randn(g, bsz, t, ng, dv), randn(g, bsz, t, ng, dv)
+    s1, s2 = randn(g, nh), randn(g, nh)
+
+    def check(got, want):
+        assert got.shape == (bsz, t, nh, dv)
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+    check(ops.dense_attention(q, kf, vf, scale), brute_attention(q, kf, vf, scale, lambda b, i, h: range(i + 1)))
+    check(ops.dense_attention(q, ks, vs, scale, s2, window=win),
+          brute_attention(q, ks, vs, scale, lambda b, i, h: range(max(0, i - win + 1), i + 1), s2))
+    o, ids = ops.full_attention_with_oracle(q, kf, vf, scale, bs, 2)
+    assert torch.equal(ids, brute_block_topk(q, kf, scale, bs, 2))
+    o_sa = brute_attention(q, kf, vf, scale, lambda b, i, h: block_keys(ids[b, i, group_of(h, nh, ng)], bs, i), s1)
+    check(ops.block_sparse_attention(q, kf, vf, ids, bs, scale, s1), o_sa)
+    gsa, gsw = randn(g, bsz, t, nh, dv), randn(g, bsz, t, nh, dv)
+    o_w = brute_attention(q, ks, vs, scale, lambda b, i, h: range(max(0, i - win + 1), i + 1), s2)
+    check(ops.sparse_layer_attention(q, kf, vf, ids, ks, vs, gsa, gsw, block_size=bs, swa_window=win, scale=scale,
+                                     sink_sparse=s1, sink_swa=s2),
+          torch.sigmoid(gsa.double()) * o_sa + torch.sigmoid(gsw.double()) * o_w)
+    tok = ops.token_topk(q, kf, scale, 2, 3)
+    assert torch.equal(tok, brute_token_topk(q, kf, scale, 2, 3))
+    check(ops.token_sparse_attention(q, kf, vf, tok, scale, s1),
+          brute_attention(q, kf, vf, scale, lambda b, i, h: [int(j) for j in tok[b, i, group_of(h, nh, ng)]
+                                                             if j >= 0], s1))
+
+
 @pytest.mark.parametrize("tq,tk", [(1, 37), (5, 20), (13, 13)], ids=["decode", "chunk", "prefill"])
 @pytest.mark.parametrize("with_sink", [True, False])
 def test_block_sparse_attention_vs_loops(tq, tk, with_sink):

@@ -433,3 +433,44 @@ def test_script_wrapper(teachers, tmp_path, monkeypatch, capsys):
         runpy.run_path(str(ROOT / "scripts" / "convert_checkpoint.py"), run_name="__main__")
     assert exit_info.value.code == 0
     assert "cross_sparse" in capsys.readouterr().out and not (tmp_path / "x").exists()
+
+
+def _write_separate_v_source(src: Path, head_dim: int, v_head_dim: int) -> None:
+    """A dense Llama-type source whose config carries `v_head_dim` (SPEC §2.6), tensors shaped by hand."""
+    e, h, g, layers, inter = 64, 4, 4, 6, 96
+    cfg = LlamaConfig(vocab_size=96, hidden_size=e, intermediate_size=inter, num_hidden_layers=layers,
+                      num_attention_heads=h, num_key_value_heads=g, head_dim=head_dim, max_position_embeddings=128)
+    cfg.v_head_dim = v_head_dim
+    src.mkdir()
+    cfg.save_pretrained(src)
+    t = {"model.embed_tokens.weight": (96, e), "model.norm.weight": (e,), "lm_head.weight": (96, e)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        t.update({p + "self_attn.q_proj.weight": (h * head_dim, e), p + "self_attn.k_proj.weight": (g * head_dim, e),
+                  p + "self_attn.v_proj.weight": (g * v_head_dim, e),
+                  p + "self_attn.o_proj.weight": (e, h * v_head_dim),
+                  p + "mlp.gate_proj.weight": (inter, e), p + "mlp.up_proj.weight": (inter, e),
+                  p + "mlp.down_proj.weight": (e, inter), p + "input_layernorm.weight": (e,),
+                  p + "post_attention_layernorm.weight": (e,)})
+    save_file({n: torch.zeros(s, dtype=torch.bfloat16) for n, s in t.items()}, src / "model.safetensors")
+
+
+def test_dry_run_kv_bytes_with_separate_v_head_dim(tmp_path, capsys):
+    """The 192 / 128 head layout: V-type tensors and o_proj follow v_head_dim, and the KV line counts K and V
+    at their own widths."""
+    src = tmp_path / "src"
+    _write_separate_v_source(src, 192, 128)
+    rc, out, _ = run(capsys, "--src", src, "--dst", tmp_path / "dry", "--arch", "hysparse", "--dry-run",
+                     "--swa-window", "32")
+    assert rc == 0, out
+    assert "4 heads / 4 KV heads x 192 (v 128)" in out
+    # bf16: one layer costs 4 KV heads x (192 + 128) x 2 bytes = 2,560 bytes per token. Dense: 6 layers.
+    # HySparse (full at 0, 4 and the last, 5): 3 full-length caches, and 3 window caches of 32 tokens, at
+    # the 128-token context a quarter of a full-length cache each.
+    kv = next(line for line in out.splitlines() if line.startswith("KV cache"))
+    assert f"{6 * 2560:,} -> {int(2560 * (3 + 3 * 32 / 128)):,} bytes/token" in kv, kv
+    conv = cv.plan_conversion(src, "hysparse")
+    shapes = expected_tensors(conv.config)
+    assert shapes["model.layers.1.self_attn.swa_v_proj.weight"] == (4 * 128, 64)
+    assert shapes["model.layers.1.self_attn.sparse_gate_proj.weight"] == (4 * 128, 64)
+    assert shapes["model.layers.0.self_attn.o_proj.weight"] == (64, 4 * 128)

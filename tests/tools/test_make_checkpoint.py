@@ -130,3 +130,27 @@ def test_paper_preset_is_config_only_with_paper_kv(tmp_path, arch, full, windowe
     if arch == "hysparse":
         # "nearly 10x" less KV than dense (49 / 5 = 9.8 before the SWA overhead).
         assert 9.0 < kv["dense_bytes_per_token"] / kv["bytes_per_token"] < 9.8
+
+
+@pytest.mark.parametrize("arch, overrides, paper_gb", [
+    # HySparse as the HySparse2 paper retrains it: q/k head dim 192, v head dim 128 (papers.md §1.2)
+    ("hysparse", {"head_dim": 192, "v_head_dim": 128}, 6.72),
+    ("hysparse2", {}, 2.69),
+])
+def test_paper_kv_cache_at_1m_tokens_matches_fig4(arch, overrides, paper_gb):
+    """[HS2] Fig. 4: the KV cache at 1M tokens in FP8 is 6.72 GB (HySparse) and 2.69 GB (HySparse2).
+
+    Expected bytes from first principles: one byte per element; every full-length cache holds
+    `G * (D_k + D_v)` elements per token for all 2**20 tokens, every window cache for 128 tokens.
+    """
+    from vllm_hysparse.configs.base import kv_report
+
+    cfg = mc.build_config(arch, "paper", overrides)
+    g, d_k, d_v, full, windowed = {"hysparse": (4, 192, 128, 5, 44), "hysparse2": (1, 256, 256, 5, 24)}[arch]
+    tokens, window = 1 << 20, 128
+    per_token = g * (d_k + d_v)
+    total = full * per_token * tokens + windowed * per_token * window
+    assert round(total / 1e9, 2) == paper_gb
+    kv = kv_bytes_per_token(cfg, dtype_bytes=1, context_len=tokens)
+    assert kv["bytes_per_token"] * tokens == pytest.approx(total)
+    assert f"HySparse KV cache: {full * per_token} bytes/token in {full} full-length caches" in kv_report(cfg, 1, None)

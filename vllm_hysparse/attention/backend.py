@@ -10,8 +10,16 @@ sink, over the selected blocks (SPEC §3.2). HySparse2's cross layers use
 `token_oracle` / `token_sparse` the same way over token positions (SPEC §3.3);
 its bridged caches are `kv_owner`s, written and never attended here. The SWA
 branch is a plain windowed vLLM `Attention` with sinks and needs nothing from us.
+With `v_head_dim != head_dim` (SPEC §2.6) the layers vLLM would otherwise
+serve run here too, because vLLM 0.32's CPU backend cannot store V at its own
+width and ours can (`AttentionSpec.head_size_v`): role `dense` is plain causal
+attention (HySparse's last full layer, HySparse2's self full layers), role
+`window` sink attention over the `window` most recent keys (the SWA branch,
+HySparse2's sliding layers), the token-sparse kernels over positions built
+from the step's row positions.
 
-The cache is vLLM's logical page view `[blocks, G, page, D_k + D_v]` (vLLM's
+The cache is vLLM's logical page view `[blocks, G, page, D_k + D_v]`, D_v the
+value head dim (`head_size_v` of the layer's spec, SPEC §2.6; vLLM's
 CPU kernel packs its own layer caches in a private format, so those cannot be
 shared). Every role is one entry of `ROLE_TABLE`: the `csrc_triton` function of
 each kernel path and the arguments it takes. Two kernel paths, chosen by device
@@ -145,17 +153,37 @@ class TokenSelection:
 
 
 @dataclass(frozen=True)
+class WindowSelection:
+    """Keys `[t - window + 1, t]` of every query (a sliding-window layer, SPEC §2.5)."""
+
+    window: int
+
+
+def window_positions(row_pos: torch.Tensor, num_rows: int, num_kv_heads: int, window: int) -> torch.Tensor:
+    """`[num_rows, G, window]` int32 key positions `[max(0, t - window + 1), t]` of every row, ascending, -1 padded
+    at the end; rows past `row_pos` (padding tokens) get -1 only. Device ops only: no host value is read."""
+    pos = torch.full((num_rows,), -1, dtype=torch.long, device=row_pos.device)
+    pos[:row_pos.shape[0]] = row_pos
+    offsets = torch.arange(window, device=pos.device)
+    ids = (pos - window + 1).clamp_min(0)[:, None] + offsets
+    ids = torch.where(offsets[None, :] < torch.clamp(pos + 1, max=window)[:, None], ids, -1)
+    return ids.to(torch.int32)[:, None, :].expand(num_rows, num_kv_heads, window)
+
+
+@dataclass(frozen=True)
 class Role:
     """What one role runs: the kernel of each path (`module:function` in `csrc_triton`) and its arguments.
 
     `publishes` roles return `(out, ids)` and hand the ids to their followers
-    through the index buffer; `reads_index` roles take that buffer as input.
+    through the index buffer; `reads_index` roles take that buffer as input,
+    `reads_window` roles the positions of their window (`window_positions`).
     """
 
     kernels: dict[str, str]
     kwargs: Callable[["HySparseAttentionImpl"], dict]
     publishes: bool = False
     reads_index: bool = False
+    reads_window: bool = False
     positions_per_id: Callable[["HySparseAttentionImpl"], int] = lambda impl: 1
     bounded_by_seq_len: bool = False  # the Triton kernel sizes its scratch by a host `max_seq_len`
 
@@ -182,6 +210,20 @@ ROLE_TABLE: dict[str, Role | None] = {
                  "torch": "csrc_triton.token_sparse.batched:token_sparse_attention_batched"},
         kwargs=lambda impl: dict(sinks=impl.sinks),
         reads_index=True),
+    # Plain causal attention (no sink): the token oracle's kernels with an empty top-k and a one-token
+    # window, whose selection is dropped. Only used when v_head_dim != head_dim (see the module docstring).
+    "dense": Role(
+        kernels={"triton": "csrc_triton.token_oracle.kernel:token_oracle_attention",
+                 "torch": "csrc_triton.token_oracle.batched:token_oracle_attention_batched"},
+        kwargs=lambda impl: dict(topk_tokens=0, recent_window=1, score_head_reduce="max"),
+        bounded_by_seq_len=True),
+    # Sliding-window sink attention: the token-sparse kernels over each row's window. Only used when
+    # v_head_dim != head_dim (see the module docstring).
+    "window": Role(
+        kernels={"triton": "csrc_triton.token_sparse.kernel:token_sparse_attention",
+                 "torch": "csrc_triton.token_sparse.batched:token_sparse_attention_batched"},
+        kwargs=lambda impl: dict(sinks=impl.sinks),
+        reads_window=True),
     "kv_owner": None,  # a HySparse2 bridged cache: written by the bridge op, never attended
 }
 ROLES = tuple(ROLE_TABLE)
@@ -200,18 +242,24 @@ class HySparseAttentionImpl(AttentionImpl):
         hysparse_role: a key of `ROLE_TABLE`.
         index_buffer: `[max_num_batched_tokens, G, width]` int32, written by an
             oracle role and read by the sparse roles that follow it.
-        selection: `BlockSelection` or `TokenSelection` of the roles that need one.
+        selection: `BlockSelection`, `TokenSelection` or `WindowSelection` of the roles that need one.
         sinks: `[H]` float32 sink logits (sparse roles), or None.
     """
 
     def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
                  logits_soft_cap=None, attn_type=AttentionType.DECODER, kv_sharing_target_layer_name=None, *,
                  hysparse_role: str, index_buffer: torch.Tensor | None = None,
-                 selection: BlockSelection | TokenSelection | None = None, sinks: torch.Tensor | None = None):
+                 selection: BlockSelection | TokenSelection | WindowSelection | None = None,
+                 sinks: torch.Tensor | None = None):
         if hysparse_role not in ROLE_TABLE:
             raise ValueError(f"hysparse_role: must be one of {ROLES} (got {hysparse_role!r})")
-        if alibi_slopes is not None or sliding_window is not None or logits_soft_cap:
-            raise ValueError("the HySparse backend supports no ALiBi, sliding window or soft cap")
+        if alibi_slopes is not None or logits_soft_cap:
+            raise ValueError("the HySparse backend supports no ALiBi or soft cap")
+        window = selection.window if isinstance(selection, WindowSelection) else None
+        if sliding_window != window:
+            # vLLM frees pages out of the window (SlidingWindowSpec): only the window role may have one
+            raise ValueError(f"sliding_window: the HySparse role {hysparse_role!r} needs {window} "
+                             f"(got {sliding_window})")
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
         self.num_kv_heads = num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
@@ -224,7 +272,7 @@ class HySparseAttentionImpl(AttentionImpl):
         self._kernel: tuple[str, Callable] | None = None  # (path, function), resolved on the first call
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
-        """key, value `[T, G, D]` -> the layer's pages at `slot_mapping`."""
+        """key `[T, G, D]`, value `[T, G, Dv]` -> the layer's pages at `slot_mapping`."""
         key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
         write_kv(key_cache, value_cache, key, value, slot_mapping)
 
@@ -244,7 +292,7 @@ class HySparseAttentionImpl(AttentionImpl):
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata: HySparseMetadata | None, output,
                 output_scale=None, output_block_scale=None):
-        """query `[T, H, D]`, kv_cache `[blocks, G, page, 2*D]` -> `output [T, H, D]`."""
+        """query `[T, H, D]`, kv_cache `[blocks, G, page, D + Dv]` -> `output [T, H, Dv]`."""
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("fused output quantization is not supported by the HySparse backend")
         if attn_metadata is None:  # profiling / warm-up run
@@ -257,6 +305,8 @@ class HySparseAttentionImpl(AttentionImpl):
         args = [query[:n], key_cache, value_cache, meta.block_table, meta.query_start_loc, meta.seq_lens]
         if role.reads_index:
             args.append(self.index_buffer[:n])
+        if role.reads_window:
+            args.append(window_positions(meta.plan.row_pos, n, self.num_kv_heads, self.selection.window))
         kwargs = role.kwargs(self)
         if path == "torch":
             kwargs["plan"] = meta.plan

@@ -9,7 +9,8 @@ import torch
 
 
 def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's logical page view `[blocks, G, page, D_k + D_v]` -> key and value views `[blocks, G, page, D]`.
+    """vLLM's logical page view `[blocks, G, page, D_k + D_v]` -> key `[blocks, G, page, D_k]` and value
+    `[blocks, G, page, D_v]` views; `head_size` is D_k (vLLM hands the impl the q/k head size).
 
     Any physical layout works: only views and strides are used.
     """
@@ -18,7 +19,7 @@ def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor
 
 def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Store `[T, G, D]` key/value at flat slots `block * page + offset`.
+    """Store key `[T, G, D_k]` / value `[T, G, D_v]` at flat slots `block * page + offset`.
 
     Negative slots are padding rows. They are written to block 0, vLLM's null
     block, which no request reads, instead of being filtered out: a boolean

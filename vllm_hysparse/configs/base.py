@@ -59,6 +59,7 @@ class HySparseBaseConfig(PreTrainedConfig):
         num_attention_heads: int = 16,
         num_key_value_heads: int | None = None,
         head_dim: int | None = None,
+        v_head_dim: int | None = None,
         hidden_act: str = "silu",
         max_position_embeddings: int = 32768,
         initializer_range: float = 0.02,
@@ -99,6 +100,9 @@ class HySparseBaseConfig(PreTrainedConfig):
         self.head_dim = head_dim
         if head_dim is None and isinstance(hidden_size, int) and isinstance(num_attention_heads, int):
             self.head_dim = hidden_size // max(num_attention_heads, 1)
+        # SPEC §2.6: `head_dim` is the q/k dim; V (and so o_proj's input and the
+        # elementwise gates) may be narrower, as in the papers' 192 / 128 layout.
+        self.v_head_dim = self.head_dim if v_head_dim is None else v_head_dim
         self.hidden_act = hidden_act
         self.max_position_embeddings = max_position_embeddings
         self.initializer_range = initializer_range
@@ -161,7 +165,7 @@ class HySparseBaseConfig(PreTrainedConfig):
 
     def _validate(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "v_head_dim",
                      "max_position_embeddings", "swa_window"):
             require_positive_int(name, getattr(self, name))
         if len(self.layer_types) != self.num_hidden_layers:
@@ -227,6 +231,15 @@ class HySparseBaseConfig(PreTrainedConfig):
         return self.num_experts > 0 and layer_idx not in self.mlp_only_layers
 
 
+def kv_bytes_per_layer(config: HySparseBaseConfig, dtype_bytes: int) -> int:
+    """Bytes one token costs in one cache: K at `head_dim` and V at `v_head_dim` per KV head (SPEC §2.6).
+
+    Every cache stores both at their own widths, window caches too (see
+    `vllm_hysparse.models.common.window_attention`), so this holds for all of them.
+    """
+    return config.num_key_value_heads * (config.head_dim + config.v_head_dim) * dtype_bytes
+
+
 def kv_report(config: HySparseBaseConfig, dtype_bytes: int, kv_memory_bytes: int | None) -> str:
     """One line for the server log: KV bytes per token (SPEC §3.4) and, given the KV memory, tokens that fit.
 
@@ -234,7 +247,7 @@ def kv_report(config: HySparseBaseConfig, dtype_bytes: int, kv_memory_bytes: int
     context that fits is set by the full-length caches; vLLM's own "KV cache
     size" line counts every cache group as full length and understates it.
     """
-    per_layer = 2 * config.num_key_value_heads * config.head_dim * dtype_bytes
+    per_layer = kv_bytes_per_layer(config, dtype_bytes)
     full, windowed = config.kv_cache_layers()
     line = (f"HySparse KV cache: {per_layer * full} bytes/token in {full} full-length caches "
             f"+ {windowed} window caches of {config.swa_window} tokens ({per_layer * windowed * config.swa_window} "
@@ -251,7 +264,7 @@ def kv_bytes_per_token(config: HySparseBaseConfig, dtype_bytes: int, context_len
     `swa_window` tokens each, so their per-token share shrinks as the context
     grows. Returns the counts and the bytes so callers can print them.
     """
-    per_layer = 2 * config.num_key_value_heads * config.head_dim * dtype_bytes
+    per_layer = kv_bytes_per_layer(config, dtype_bytes)
     full, windowed = config.kv_cache_layers()
     window_tokens = min(config.swa_window, context_len)
     total = per_layer * (full + windowed * window_tokens / context_len)

@@ -24,21 +24,22 @@ def _linear(prefix: str, out_dim: int, in_dim: int, bias: bool) -> dict[str, tup
 def _attention_parts(config: HySparseBaseConfig, kind: str) -> dict[str, tuple[int, ...]]:
     """`self_attn.*` tensors of one layer kind (see `layer_kind`)."""
     h, g, d, e = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.hidden_size
-    bias = config.attention_bias
-    gate_width = h * d if config.gate_type == "elementwise" else h
-    out = {**_linear("q_proj", h * d, e, bias), **_linear("o_proj", e, h * d, False)}
+    dv, bias = config.v_head_dim, config.attention_bias
+    # q/k are `head_dim` wide, V and everything downstream of it `v_head_dim` (SPEC §2.6).
+    gate_width = h * dv if config.gate_type == "elementwise" else h
+    out = {**_linear("q_proj", h * d, e, bias), **_linear("o_proj", e, h * dv, False)}
     if config.qk_norm:
         out.update(_norm("q_norm", d))
     if kind in ("full", "sliding", "cross_full"):
         out.update(_linear("k_proj", g * d, e, bias))
-        out.update(_linear("v_proj", g * d, e, bias))
+        out.update(_linear("v_proj", g * dv, e, bias))
         if config.qk_norm:
             out.update(_norm("k_norm", d))
     if kind == "cross_full":
         out.update(_norm("bridge_norm", e))
     if kind == "sparse":
         out.update(_linear("swa_k_proj", g * d, e, bias))
-        out.update(_linear("swa_v_proj", g * d, e, bias))
+        out.update(_linear("swa_v_proj", g * dv, e, bias))
         out.update(_linear("sparse_gate_proj", gate_width, e, False))
         out.update(_linear("swa_gate_proj", gate_width, e, False))
         if config.use_sinks:

@@ -46,7 +46,7 @@ EXPERT_TENSOR = re.compile(r"(model\.layers\.\d+\.mlp\.)(experts\.\d+\.\w+\.)wei
 
 
 class HeadSplit:
-    """Per-rank head counts under tensor parallelism."""
+    """Per-rank head counts under tensor parallelism, and the q/k (`head_dim`) and v (`head_dim_v`) widths."""
 
     def __init__(self, config: HySparseBaseConfig):
         tp = get_tensor_model_parallel_world_size()
@@ -58,18 +58,26 @@ class HeadSplit:
                 f"tensor_parallel_size={tp} must divide num_attention_heads={h} and num_key_value_heads={g}")
         self.tp = tp
         self.num_heads, self.num_kv_heads, self.head_dim = h // tp, g // tp, config.head_dim
+        self.head_dim_v = config.v_head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.v_size = self.num_kv_heads * self.head_dim_v
+
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Fused `[T, q + k + v]` projection output -> q `[T, H*D]`, k `[T, G*D]`, v `[T, G*Dv]`."""
+        return qkv.split([self.q_size, self.kv_size, self.v_size], dim=-1)
 
 
 def qkv_and_out(config: HySparseBaseConfig, prefix: str) -> tuple[QKVParallelLinear, RowParallelLinear]:
-    """Fused q/k/v projection and the output projection of an attention layer."""
+    """Fused q/k/v projection (v `v_head_dim` wide) and the output projection of an attention layer."""
     qkv = QKVParallelLinear(config.hidden_size, config.head_dim, config.num_attention_heads,
-                            config.num_key_value_heads, bias=config.attention_bias, prefix=f"{prefix}.qkv_proj")
+                            config.num_key_value_heads, bias=config.attention_bias, prefix=f"{prefix}.qkv_proj",
+                            v_head_size=config.v_head_dim)
     return qkv, out_proj(config, prefix)
 
 
 def out_proj(config: HySparseBaseConfig, prefix: str) -> RowParallelLinear:
-    return RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size, bias=False,
+    """`o_proj` `[hidden, H * v_head_dim]`: it reads the attention output, which is as wide as V."""
+    return RowParallelLinear(config.num_attention_heads * config.v_head_dim, config.hidden_size, bias=False,
                              prefix=f"{prefix}.o_proj")
 
 
@@ -130,6 +138,48 @@ def make_mlp(config: HySparseBaseConfig, layer_idx: int, prefix: str) -> nn.Modu
     return Qwen2MLP(config.hidden_size, config.intermediate_size, config.hidden_act, prefix=prefix)
 
 
+def separate_v(config: HySparseBaseConfig) -> dict:
+    """`Attention` keywords of a cache our backend owns: V stored at its own width (`FullAttentionSpec.head_size_v`).
+
+    Empty for `v_head_dim == head_dim`, so the default layout is built exactly as before.
+    """
+    return {} if config.v_head_dim == config.head_dim else {"head_size_v": config.v_head_dim}
+
+
+def plain_full_attention(config: HySparseBaseConfig) -> dict:
+    """`Attention` keywords of a full-length causal layer with no oracle (no backend of its own by default).
+
+    With `v_head_dim != head_dim` it runs on our backend's `dense` role, which
+    stores V at its own width; vLLM's CPU backend cannot, and padding V there
+    would cost full-length bytes. Empty otherwise: vLLM picks the backend as before.
+    """
+    if config.v_head_dim == config.head_dim:
+        return {}
+    from vllm_hysparse.attention.backend import HySparseAttentionBackend
+
+    return dict(attn_backend=HySparseAttentionBackend, hysparse_role="dense", head_size_v=config.v_head_dim)
+
+
+def window_attention(config: HySparseBaseConfig, sinks: nn.Parameter | None) -> dict:
+    """`Attention` keywords of a sliding-window layer with sinks (HySparse's SWA branch, HySparse2's sliding layers).
+
+    By default vLLM picks its own backend. With `v_head_dim != head_dim` the
+    layer runs on our backend's `window` role instead, which stores V at its
+    own width: vLLM 0.32's CPU backend (`CPU_ATTN`) splits a page into equal K
+    and V halves and takes one head size. Padding V to `head_dim` there would
+    not stay in these window caches: vLLM unifies page sizes across cache
+    groups, padding every smaller page to the largest when it does not divide
+    it, so the full-length caches would pay for the padding too.
+    """
+    args = dict(per_layer_sliding_window=config.swa_window, sinks=sinks)
+    if config.v_head_dim != config.head_dim:
+        from vllm_hysparse.attention.backend import HySparseAttentionBackend, WindowSelection
+
+        args.update(attn_backend=HySparseAttentionBackend, hysparse_role="window",
+                    selection=WindowSelection(config.swa_window), head_size_v=config.v_head_dim)
+    return args
+
+
 class PreNormDecoderLayer(nn.Module):
     """Pre-norm residual block around any attention module, with vLLM's fused residual adds."""
 
@@ -167,13 +217,13 @@ def head_norm(x: torch.Tensor, norm: RMSNorm | None, head_dim: int) -> torch.Ten
 
 
 def gate_width(config: HySparseBaseConfig) -> int:
-    """Output width of a gate projection: `H*D` elementwise, `H` headwise (SPEC §2.5)."""
-    return config.num_attention_heads * (config.head_dim if config.gate_type == "elementwise" else 1)
+    """Output width of a gate projection: `H*Dv` elementwise, `H` headwise (SPEC §2.5, §2.6)."""
+    return config.num_attention_heads * (config.v_head_dim if config.gate_type == "elementwise" else 1)
 
 
 def apply_gate(gate_logits: torch.Tensor, o: torch.Tensor, heads: HeadSplit) -> torch.Tensor:
-    """sigmoid(gate) `[T, H*D]` or `[T, H]` times attention output o `[T, H*D]`, in float32."""
-    o = o.float().view(o.shape[0], heads.num_heads, heads.head_dim)
+    """sigmoid(gate) `[T, H*Dv]` or `[T, H]` times attention output o `[T, H*Dv]`, in float32."""
+    o = o.float().view(o.shape[0], heads.num_heads, heads.head_dim_v)
     gate = gate_logits.float().sigmoid().view(o.shape[0], heads.num_heads, -1)
     return (gate * o).view(o.shape[0], -1)
 

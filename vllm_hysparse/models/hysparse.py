@@ -38,7 +38,10 @@ from vllm_hysparse.models.common import (
     log_kv_report,
     make_sinks,
     maybe_head_norm,
+    plain_full_attention,
     qkv_and_out,
+    separate_v,
+    window_attention,
 )
 
 # HF module under `self_attn.` -> (vLLM parameter owner, shard id) of the fused projections.
@@ -70,9 +73,9 @@ class HySparseFullAttention(nn.Module):
         self.rotary_emb = get_rope(config.head_dim, max_position=config.max_position_embeddings,
                                    rope_parameters=config.rope_parameters)
         # The last full layer may have no sparse followers: then it is plain attention.
-        oracle_args = {} if index_buffer is None else dict(
+        oracle_args = plain_full_attention(config) if index_buffer is None else dict(
             attn_backend=HySparseAttentionBackend, hysparse_role="oracle", index_buffer=index_buffer,
-            selection=BlockSelection(config.sparse_block_size, config.sparse_topk_blocks))
+            selection=BlockSelection(config.sparse_block_size, config.sparse_topk_blocks), **separate_v(config))
         self.attn = Attention(self.heads.num_heads, config.head_dim, config.head_dim**-0.5,
                               num_kv_heads=self.heads.num_kv_heads, cache_config=cache_config,
                               prefix=f"{prefix}.attn", **oracle_args)
@@ -80,7 +83,7 @@ class HySparseFullAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         h = self.heads
         qkv, _ = self.qkv_proj(hidden_states)
-        q, k, v = qkv.split([h.q_size, h.kv_size, h.kv_size], dim=-1)
+        q, k, v = h.split_qkv(qkv)
         q, k = head_norm(q, self.q_norm, h.head_dim), head_norm(k, self.k_norm, h.head_dim)
         q, k = self.rotary_emb(positions, q, k)
         out, _ = self.o_proj(self.attn(q, k, v))
@@ -111,14 +114,14 @@ class HySparseSparseAttention(nn.Module):
             kv_sharing_target_layer_name=attn_layer_name(oracle_layer),
             attn_backend=HySparseAttentionBackend, hysparse_role="block_sparse", index_buffer=index_buffer,
             selection=BlockSelection(config.sparse_block_size, config.sparse_topk_blocks),
-            sinks=self.sparse_sinks, **common)
+            sinks=self.sparse_sinks, **separate_v(config), **common)
         self.swa_attn = Attention(h.num_heads, config.head_dim, scale, prefix=f"{prefix}.swa_attn",
-                                  per_layer_sliding_window=config.swa_window, sinks=self.swa_sinks, **common)
+                                  **window_attention(config, self.swa_sinks), **common)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         h = self.heads
         qkv, _ = self.qkv_proj(hidden_states)
-        q, k, v = qkv.split([h.q_size, h.kv_size, h.kv_size], dim=-1)
+        q, k, v = h.split_qkv(qkv)
         q, k = head_norm(q, self.q_norm, h.head_dim), head_norm(k, self.swa_k_norm, h.head_dim)
         q, k = self.rotary_emb(positions, q, k)
         o_sparse = self.attn(q, None, None)

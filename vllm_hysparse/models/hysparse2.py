@@ -51,7 +51,10 @@ from vllm_hysparse.models.common import (
     make_sinks,
     maybe_head_norm,
     out_proj,
+    plain_full_attention,
     qkv_and_out,
+    separate_v,
+    window_attention,
 )
 
 # HF module under `self_attn.` -> (vLLM parameter owner, shard id); bridged K/V live in `model.bridges`.
@@ -91,27 +94,28 @@ class HySparse2Bridge(nn.Module):
     def __init__(self, config: HySparse2Config, cache_config, cross_layer: int, prefix: str):
         super().__init__()
         self.heads = h = HeadSplit(config)
-        g_width = config.num_key_value_heads * config.head_dim
+        g = config.num_key_value_heads
         self.bridge_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.kv_proj = MergedColumnParallelLinear(config.hidden_size, [g_width] * 2, bias=config.attention_bias,
-                                                  prefix=f"{prefix}.kv_proj")
+        self.kv_proj = MergedColumnParallelLinear(config.hidden_size, [g * config.head_dim, g * config.v_head_dim],
+                                                  bias=config.attention_bias, prefix=f"{prefix}.kv_proj")
         self.k_norm = maybe_head_norm(config)
         self.rotary_emb = _rope(config, sliding=False)
         self.layer_name = bridge_layer_name(cross_layer)
         self.attn = Attention(h.num_heads, config.head_dim, config.head_dim**-0.5, num_kv_heads=h.num_kv_heads,
                               cache_config=cache_config, prefix=self.layer_name,
-                              attn_backend=HySparseAttentionBackend, hysparse_role="kv_owner")
+                              attn_backend=HySparseAttentionBackend, hysparse_role="kv_owner", **separate_v(config))
         # Only ordered by the write op; never read.
         self.register_buffer("write_dependency", torch.zeros(1), persistent=False)
 
     def forward(self, positions: torch.Tensor, h_src: torch.Tensor) -> None:
+        h = self.heads
         kv, _ = self.kv_proj(self.bridge_norm(h_src))
-        k, v = kv.split([self.heads.kv_size, self.heads.kv_size], dim=-1)
-        k = head_norm(k, self.k_norm, self.heads.head_dim)
+        k, v = kv.split([h.kv_size, h.v_size], dim=-1)
+        k = head_norm(k, self.k_norm, h.head_dim)
         if self.rotary_emb is not None:
             k = _rotate_alone(self.rotary_emb, positions, k)
-        shape = (-1, self.heads.num_kv_heads, self.heads.head_dim)
-        bridge_kv_write(k.view(shape), v.contiguous().view(shape), self.write_dependency, self.layer_name)
+        bridge_kv_write(k.view(-1, h.num_kv_heads, h.head_dim), v.contiguous().view(-1, h.num_kv_heads, h.head_dim_v),
+                        self.write_dependency, self.layer_name)
 
 
 def _rotate_alone(rope, positions, x):
@@ -130,19 +134,19 @@ class HySparse2SelfAttention(nn.Module):
         self.qkv_proj, self.o_proj = qkv_and_out(config, prefix)
         self.q_norm, self.k_norm = maybe_head_norm(config), maybe_head_norm(config)
         self.rotary_emb = _rope(config, sliding)
-        extra = {}
+        extra = plain_full_attention(config)
         if sliding:
             self.gate_proj = ColumnParallelLinear(config.hidden_size, gate_width(config), bias=False,
                                                   prefix=f"{prefix}.gate_proj")
             self.sinks = make_sinks(config, h)
-            extra = dict(per_layer_sliding_window=config.swa_window, sinks=self.sinks)
+            extra = window_attention(config, self.sinks)
         self.attn = Attention(h.num_heads, config.head_dim, config.head_dim**-0.5, num_kv_heads=h.num_kv_heads,
                               cache_config=cache_config, prefix=f"{prefix}.attn", **extra)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         h = self.heads
         qkv, _ = self.qkv_proj(hidden_states)
-        q, k, v = qkv.split([h.q_size, h.kv_size, h.kv_size], dim=-1)
+        q, k, v = h.split_qkv(qkv)
         q, k = head_norm(q, self.q_norm, h.head_dim), head_norm(k, self.k_norm, h.head_dim)
         q, k = _rotate(self.rotary_emb, positions, q, k)
         o = self.attn(q, k, v)
@@ -176,7 +180,7 @@ class HySparse2CrossAttention(nn.Module):
         self.attn = Attention(h.num_heads, config.head_dim, config.head_dim**-0.5, num_kv_heads=h.num_kv_heads,
                               cache_config=cache_config, prefix=f"{prefix}.attn",
                               kv_sharing_target_layer_name=bridge_layer_name(cache_layer),
-                              attn_backend=HySparseAttentionBackend, **extra)
+                              attn_backend=HySparseAttentionBackend, **separate_v(config), **extra)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         q, _ = self.q_proj(hidden_states)

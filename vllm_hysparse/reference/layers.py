@@ -126,13 +126,16 @@ def make_mlp(config, layer_idx: int) -> nn.Module:
 
 
 def gate_proj(config, hidden_size: int) -> nn.Linear:
-    """Gate projection: `[H*D, hidden]` elementwise or `[H, hidden]` headwise, no bias."""
-    width = config.num_attention_heads * (config.head_dim if config.gate_type == "elementwise" else 1)
+    """Gate projection: `[H*Dv, hidden]` elementwise or `[H, hidden]` headwise, no bias.
+
+    Gates act on the attention output, so elementwise gates are `v_head_dim` wide per head.
+    """
+    width = config.num_attention_heads * (config.v_head_dim if config.gate_type == "elementwise" else 1)
     return nn.Linear(hidden_size, width, bias=False)
 
 
 def gate_logits(proj: nn.Linear, x: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """`[B, T, hidden]` -> gate logits `[B, T, H, D]` (elementwise) or `[B, T, H, 1]` (headwise)."""
+    """`[B, T, hidden]` -> gate logits `[B, T, H, Dv]` (elementwise) or `[B, T, H, 1]` (headwise)."""
     g = proj(x)
     return g.view(*g.shape[:2], num_heads, -1)
 
@@ -150,7 +153,7 @@ def split_heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 
 def kv_from_cache(cache, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
-    """Append `[B, T, G, D]` k/v for `layer_idx` to a transformers Cache; return all of it."""
+    """Append k `[B, T, G, D]` and v `[B, T, G, Dv]` for `layer_idx` to a transformers Cache; return all of it."""
     if cache is None:
         return k, v
     k_all, v_all = cache.update(k.transpose(1, 2), v.transpose(1, 2), layer_idx)

@@ -25,20 +25,21 @@ class HySparseFullAttention(nn.Module):
     def __init__(self, config: HySparseConfig, layer_idx: int):
         super().__init__()
         h, g, d, bias = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.attention_bias
+        dv = config.v_head_dim  # the scale stays head_dim ** -0.5: it normalises q . k (SPEC §2.6)
         self.layer_idx, self.config, self.scale = layer_idx, config, d**-0.5
         # The last full layer may have no sparse followers: then it emits nothing.
         self.has_followers = layer_idx in config.oracle_layer.values()
         self.q_proj = nn.Linear(config.hidden_size, h * d, bias=bias)
         self.k_proj = nn.Linear(config.hidden_size, g * d, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, g * d, bias=bias)
-        self.o_proj = nn.Linear(h * d, config.hidden_size, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, g * dv, bias=bias)
+        self.o_proj = nn.Linear(h * dv, config.hidden_size, bias=False)
         if config.qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
 
     def forward(self, x, positions, rope, cache, shared, switches):
-        d = self.config.head_dim
-        q, k, v = (split_heads(p(x), d) for p in (self.q_proj, self.k_proj, self.v_proj))
+        d, dv = self.config.head_dim, self.config.v_head_dim
+        q, k, v = split_heads(self.q_proj(x), d), split_heads(self.k_proj(x), d), split_heads(self.v_proj(x), dv)
         if self.config.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(q, positions), rope(k, positions)
@@ -58,11 +59,12 @@ class HySparseSparseAttention(nn.Module):
     def __init__(self, config: HySparseConfig, layer_idx: int):
         super().__init__()
         h, g, d, bias = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.attention_bias
+        dv = config.v_head_dim
         self.layer_idx, self.config, self.scale = layer_idx, config, d**-0.5
         self.q_proj = nn.Linear(config.hidden_size, h * d, bias=bias)
         self.swa_k_proj = nn.Linear(config.hidden_size, g * d, bias=bias)
-        self.swa_v_proj = nn.Linear(config.hidden_size, g * d, bias=bias)
-        self.o_proj = nn.Linear(h * d, config.hidden_size, bias=False)
+        self.swa_v_proj = nn.Linear(config.hidden_size, g * dv, bias=bias)
+        self.o_proj = nn.Linear(h * dv, config.hidden_size, bias=False)
         self.sparse_gate_proj = gate_proj(config, config.hidden_size)
         self.swa_gate_proj = gate_proj(config, config.hidden_size)
         self.sparse_sinks = sinks(config)
@@ -73,7 +75,8 @@ class HySparseSparseAttention(nn.Module):
 
     def forward(self, x, positions, rope, cache, shared, switches):
         cfg, d = self.config, self.config.head_dim
-        q, k_swa, v_swa = (split_heads(p(x), d) for p in (self.q_proj, self.swa_k_proj, self.swa_v_proj))
+        q, k_swa = split_heads(self.q_proj(x), d), split_heads(self.swa_k_proj(x), d)
+        v_swa = split_heads(self.swa_v_proj(x), cfg.v_head_dim)
         if cfg.qk_norm:
             q, k_swa = self.q_norm(q), self.swa_k_norm(k_swa)
         q, k_swa = rope(q, positions), rope(k_swa, positions)

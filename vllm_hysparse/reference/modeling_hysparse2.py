@@ -49,11 +49,12 @@ class StepContext:
 
 def _qkv_layer(module: nn.Module, config: HySparse2Config, with_kv: bool) -> None:
     h, g, d, bias = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.attention_bias
+    dv = config.v_head_dim  # V, o_proj's input and the gates; q/k stay head_dim (SPEC §2.6)
     module.q_proj = nn.Linear(config.hidden_size, h * d, bias=bias)
-    module.o_proj = nn.Linear(h * d, config.hidden_size, bias=False)
+    module.o_proj = nn.Linear(h * dv, config.hidden_size, bias=False)
     if with_kv:
         module.k_proj = nn.Linear(config.hidden_size, g * d, bias=bias)
-        module.v_proj = nn.Linear(config.hidden_size, g * d, bias=bias)
+        module.v_proj = nn.Linear(config.hidden_size, g * dv, bias=bias)
     if config.qk_norm:
         module.q_norm = RMSNorm(d, config.rms_norm_eps)
         if with_kv:
@@ -71,7 +72,7 @@ class _Attention(nn.Module):
         return self.q_norm(q) if self.config.qk_norm else q
 
     def project_kv(self, x):
-        k, v = split_heads(self.k_proj(x), self.config.head_dim), split_heads(self.v_proj(x), self.config.head_dim)
+        k, v = split_heads(self.k_proj(x), self.config.head_dim), split_heads(self.v_proj(x), self.config.v_head_dim)
         return (self.k_norm(k) if self.config.qk_norm else k), v
 
 
@@ -116,7 +117,7 @@ class CrossFullAttention(_Attention):
         self.has_followers = layer_idx in config.oracle_layer.values()
 
     def bridge_kv(self, h_src, positions, ctx: StepContext):
-        """K/V `[B, T, G, D]` from the residual stream `h_src` entering the bridge source."""
+        """K `[B, T, G, D]` and V `[B, T, G, Dv]` from the residual stream `h_src` entering the bridge source."""
         k, v = self.project_kv(self.bridge_norm(h_src))
         return ctx.rope(k, positions), v
 
@@ -178,10 +179,10 @@ class CrossSparseAttention(_Attention):
         if tensors is None:
             self.own_kv = None
             return
-        cfg, width = self.config, self.config.num_key_value_heads * self.config.head_dim
+        cfg, g = self.config, self.config.num_key_value_heads
         holder = nn.Module()
-        holder.k_proj = nn.Linear(cfg.hidden_size, width, bias=cfg.attention_bias)
-        holder.v_proj = nn.Linear(cfg.hidden_size, width, bias=cfg.attention_bias)
+        holder.k_proj = nn.Linear(cfg.hidden_size, g * cfg.head_dim, bias=cfg.attention_bias)
+        holder.v_proj = nn.Linear(cfg.hidden_size, g * cfg.v_head_dim, bias=cfg.attention_bias)
         if cfg.qk_norm:
             holder.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         try:
@@ -193,18 +194,18 @@ class CrossSparseAttention(_Attention):
         self.own_kv = OwnKV(holder.k_proj, holder.v_proj, getattr(holder, "k_norm", None))
 
     def project_own_kv(self, x, positions, ctx: StepContext):
-        """K (rotated like the cross full layer's) and V `[B, T, G, D]` from this layer's own input `x`."""
+        """K `[B, T, G, D]` (rotated like the cross full layer's) and V `[B, T, G, Dv]` from this layer's input `x`."""
         if self.own_kv is None:
             raise ValueError(f"cross_kv_sharing=False: cross sparse layer {self.layer_idx} has no K/V projections "
                              "of its own; give them with set_own_kv (the validator takes the teacher's)")
-        d, kv = self.config.head_dim, self.own_kv
-        k, v = split_heads(kv.k_proj(x), d), split_heads(kv.v_proj(x), d)
+        kv = self.own_kv
+        k, v = split_heads(kv.k_proj(x), self.config.head_dim), split_heads(kv.v_proj(x), self.config.v_head_dim)
         if kv.k_norm is not None:
             k = kv.k_norm(k)
         return ctx.rope(k, positions), v
 
     def keys_values(self, x, positions, ctx: StepContext):
-        """The K/V `[B, Tk, G, D]` this layer attends over: the cross full layer's cache, or its own."""
+        """K `[B, Tk, G, D]` / V `[B, Tk, G, Dv]` this layer attends over: the cross full layer's cache, or its own."""
         if ctx.switches.cross_kv_sharing:
             return ctx.shared["k"], ctx.shared["v"]
         return kv_from_cache(ctx.cache, self.layer_idx, *self.project_own_kv(x, positions, ctx))

@@ -4,8 +4,9 @@
 Every op works on dense per-sequence tensors and materialises full score
 matrices; it is the ground truth for the vLLM models and the Triton kernels,
 not a fast path. Shapes use:
-    B batch, Tq queries, Tk keys, H query heads, G KV heads, D head dim,
-    NB = ceil(Tk / block_size) key blocks.
+    B batch, Tq queries, Tk keys, H query heads, G KV heads, D the q/k head dim,
+    Dv the value head dim (SPEC §2.6: `v_head_dim`, D unless set; outputs are
+    Dv wide), NB = ceil(Tk / block_size) key blocks.
 By default queries are the *last* Tq positions of the Tk keys, so query i sits
 at absolute position `Tk - Tq + i` (prefill: Tq == Tk; decode: Tq == 1); ops
 that take `positions` (`[Tq]`, ascending) accept any subset of rows instead
@@ -78,7 +79,7 @@ def sink_softmax(z: torch.Tensor, sink: torch.Tensor | None) -> torch.Tensor:
 
 
 def weighted_values(p: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`p [B, H, Tq, Tk]` times `v [B, Tk, G, D]` -> `[B, Tq, H, D]` in `dtype`."""
+    """`p [B, H, Tq, Tk]` times `v [B, Tk, G, Dv]` -> `[B, Tq, H, Dv]` in `dtype`."""
     v = expand_kv_heads(v, p.shape[1]).float()
     return torch.einsum("bhij,bjhd->bihd", p, v).to(dtype)
 
@@ -87,10 +88,10 @@ def dense_attention(q, k, v, scale, sink=None, window=None, positions=None):
     """Causal attention, optionally windowed and with a sink.
 
     Args:
-        q: `[B, Tq, H, D]`; k, v: `[B, Tk, G, D]`.
+        q: `[B, Tq, H, D]`; k: `[B, Tk, G, D]`; v: `[B, Tk, G, Dv]`.
         sink: `[H]` or None. window: keys `[t - window + 1, t]` when set.
     Returns:
-        `[B, Tq, H, D]`.
+        `[B, Tq, H, Dv]`.
     """
     z = attention_logits(q, k, scale, positions)
     if window is not None:
@@ -171,7 +172,7 @@ def full_attention_with_oracle(q, k, v, scale, block_size, topk):
     """HySparse full layer: causal attention plus its oracle block indices.
 
     Returns:
-        (`[B, Tq, H, D]` output, `[B, Tq, G, topk]` block ids).
+        (`[B, Tq, H, Dv]` output, `[B, Tq, G, topk]` block ids).
     """
     return dense_attention(q, k, v, scale), oracle_block_topk(q, k, scale, block_size, topk)
 
@@ -189,11 +190,11 @@ def block_sparse_attention(q, k, v, block_ids, block_size, scale, sink=None, pos
     The block holding the query is causal-masked like any other key.
 
     Args:
-        q: `[B, Tq, H, D]`; k, v: `[B, Tk, G, D]` (the oracle full layer's KV).
+        q: `[B, Tq, H, D]`; k: `[B, Tk, G, D]`, v: `[B, Tk, G, Dv]` (the oracle full layer's KV).
         block_ids: `[B, Tq, G, K]` int, -1 padded.
         sink: `[H]` or None.
     Returns:
-        `[B, Tq, H, D]`.
+        `[B, Tq, H, Dv]`.
     """
     h, tk = q.shape[2], k.shape[1]
     nb = -(-tk // block_size)
@@ -217,11 +218,11 @@ def sparse_layer_attention(
 
     Args:
         q: `[B, Tq, H, D]`.
-        k_full, v_full: `[B, Tk, G, D]`; k_swa, v_swa: `[B, Tk, G, D]` or None.
+        k_full, k_swa: `[B, Tk, G, D]`; v_full, v_swa: `[B, Tk, G, Dv]` (k_swa None: no SWA branch).
         block_ids: `[B, Tq, G, K]`.
-        gate_sparse, gate_swa: gate logits `[B, Tq, H, D]` (elementwise) or `[B, Tq, H, 1]` (headwise).
+        gate_sparse, gate_swa: gate logits `[B, Tq, H, Dv]` (elementwise) or `[B, Tq, H, 1]` (headwise).
     Returns:
-        `[B, Tq, H, D]`.
+        `[B, Tq, H, Dv]`.
     """
     o_sa = block_sparse_attention(q, k_full, v_full, block_ids, block_size, scale, sink_sparse)
     if k_swa is None:
@@ -279,11 +280,11 @@ def token_sparse_attention(q, k, v, token_ids, scale, sink=None, positions=None)
     """HySparse2 cross sparse layer: one sink softmax over the selected positions.
 
     Args:
-        q: `[B, Tq, H, D]`; k, v: `[B, Tk, G, D]` (the cross full layer's cache).
+        q: `[B, Tq, H, D]`; k: `[B, Tk, G, D]`, v: `[B, Tk, G, Dv]` (the cross full layer's cache).
         token_ids: `[B, Tq, G, S]` int, -1 padded (see `token_topk`).
         sink: `[H]` or None.
     Returns:
-        `[B, Tq, H, D]`.
+        `[B, Tq, H, Dv]`.
     """
     h, tk = q.shape[2], k.shape[1]
     keys = ids_to_mask(token_ids, tk)  # [B, Tq, G, Tk]

@@ -216,6 +216,8 @@ def dense_fields(model_type: str, cfg) -> dict:
         "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": heads,
         "num_key_value_heads": cfg.num_key_value_heads or heads,
         "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+        # A source with a value head size of its own (SPEC §2.6) keeps it; Llama-family configs have none.
+        "v_head_dim": getattr(cfg, "v_head_dim", None) or getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
         "hidden_act": cfg.hidden_act, "max_position_embeddings": cfg.max_position_embeddings,
         "initializer_range": cfg.initializer_range, "rms_norm_eps": cfg.rms_norm_eps,
         "tie_word_embeddings": bool(cfg.tie_word_embeddings), "rope_parameters": _rope_parameters(cfg),
@@ -475,6 +477,11 @@ def _sum_params(shapes) -> int:
     return sum(torch.Size(s).numel() for s in shapes)
 
 
+def _head_dims(cfg: HySparseBaseConfig) -> str:
+    """`128`, or `192 (v 128)` when the value head dim is its own."""
+    return str(cfg.head_dim) if cfg.v_head_dim == cfg.head_dim else f"{cfg.head_dim} (v {cfg.v_head_dim})"
+
+
 def describe(conv: Conversion) -> str:
     """The plan, parameter counts and KV bytes per token before and after."""
     cfg = conv.config
@@ -488,7 +495,7 @@ def describe(conv: Conversion) -> str:
             f"recent {cfg.recent_window}, bridges {cfg.bridge_sources}")
     lines = [
         f"source: {conv.src} ({SOURCE_ARCHITECTURES[conv.source_type]}, {cfg.num_hidden_layers} layers, "
-        f"{cfg.num_attention_heads} heads / {cfg.num_key_value_heads} KV heads x {cfg.head_dim}, "
+        f"{cfg.num_attention_heads} heads / {cfg.num_key_value_heads} KV heads x {_head_dims(cfg)}, "
         f"rope {cfg.rope_parameters['rope_type']} theta={cfg.rope_theta:g})",
         f"target: {cfg.model_type}: {opts}, swa_window {cfg.swa_window}, gates {cfg.gate_type}, sinks {SINK_INIT:g}",
         *([f"MLP: MoE, {cfg.num_experts} experts, top-{cfg.num_experts_per_tok}"
