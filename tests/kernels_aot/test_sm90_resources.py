@@ -12,6 +12,7 @@ gives a block. The resource table is printed at the end of the run.
     .venv/bin/python -m pytest tests/kernels_aot -q   # its own process: no TRITON_INTERPRET
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -58,17 +59,24 @@ class Shape:
 
 
 def preset_shapes(model: str, dtypes=tuple(DTYPES)) -> list[Shape]:
-    """Every preset of `model` at every head dim and dtype (presets give group and selection sizes)."""
-    shapes = []
+    """Every preset of `model` at every head dim and dtype (presets give group and selection sizes).
+
+    Presets with the same attention shape (e.g. `tiny_moe` and `tiny`: only the MLP differs) build once.
+    """
+    shapes, seen = [], set()
     for name, cfg in PRESETS[model].items():
         hpg = cfg["num_attention_heads"] // cfg["num_key_value_heads"]
         for d, dv in HEAD_DIMS:
             for dt in dtypes:
-                shapes.append(Shape(f"{model}/{name}", hpg, d, dt, head_dim_v=dv,
-                                    block_size=cfg.get("sparse_block_size", 0),
-                                    topk_blocks=cfg.get("sparse_topk_blocks", 0),
-                                    topk_tokens=cfg.get("sparse_topk_tokens", 0),
-                                    window=cfg.get("recent_window", 0)))
+                shape = Shape(f"{model}/{name}", hpg, d, dt, head_dim_v=dv,
+                              block_size=cfg.get("sparse_block_size", 0),
+                              topk_blocks=cfg.get("sparse_topk_blocks", 0),
+                              topk_tokens=cfg.get("sparse_topk_tokens", 0),
+                              window=cfg.get("recent_window", 0))
+                key = dataclasses.replace(shape, preset="")
+                if key not in seen:
+                    seen.add(key)
+                    shapes.append(shape)
     return shapes
 
 
