@@ -23,9 +23,10 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "smollm2"
 
 
-def run_one(teacher: Path, student: Path, seq_len: int, windows: int, out: Path) -> dict:
+def run_one(teacher: Path, student: Path, seq_len: int, windows: int, out: Path, final_only: bool) -> dict:
     t0 = time.perf_counter()
-    report = validate.validate(str(teacher), str(student), heldout_text(), seq_len, windows, fused=True)
+    report = validate.validate(str(teacher), str(student), heldout_text(), seq_len, windows, fused=True,
+                               final_only=final_only)
     report["seconds"] = time.perf_counter() - t0
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=2))
@@ -62,7 +63,9 @@ def main(argv=None) -> int:
     parser.add_argument("--arch", choices=["hysparse", "hysparse2"], required=True)
     parser.add_argument("--teacher", type=Path, default=REPO / "checkpoints" / "smollm2-135m-instruct")
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096])
-    parser.add_argument("--windows", type=int, nargs="+", default=[2, 1], help="windows per length")
+    parser.add_argument("--windows", type=int, nargs="+", default=[1, 1], help="windows per length")
+    parser.add_argument("--final-only-lengths", type=int, nargs="*", default=[4096],
+                        help="lengths at which only the real architecture (last stage) is evaluated")
     parser.add_argument("--variants", nargs="+", default=["converted", "recovered"])
     parser.add_argument("--from-reports", action="store_true",
                         help="run nothing: summarise the per-run reports already in results/smollm2/validation/")
@@ -76,7 +79,8 @@ def main(argv=None) -> int:
             if args.from_reports:
                 runs[(variant, seq_len)] = r = json.loads((out / "report.json").read_text())
             else:
-                runs[(variant, seq_len)] = r = run_one(args.teacher, paths[variant], seq_len, windows, out)
+                runs[(variant, seq_len)] = r = run_one(args.teacher, paths[variant], seq_len, windows, out,
+                                                       seq_len in args.final_only_lengths)
             print(f"{variant} {seq_len}: KL {r['stages'][-1]['kl']:.4f}, ppl {r['stages'][-1]['perplexity']:.2f} "
                   f"(teacher {r['teacher_perplexity']:.2f}), {r['seconds']:.0f} s", flush=True)
     command = "python benchmarks/smollm2_validation.py " + " ".join(argv or __import__("sys").argv[1:])

@@ -324,10 +324,11 @@ def coverage_by_position(config, layers: dict) -> dict[int, float]:
 
 
 def validate(teacher_dir: str, student_dir: str, text: str, seq_len: int = 256, max_windows: int = 4,
-             fused: bool = False) -> dict:
+             fused: bool = False, final_only: bool = False) -> dict:
     """The switch-by-switch report. `fused` runs the models' attention through `recovery.fast_ops`
     (the same math on fused attention, checked against the reference ops by its tests): much faster
-    on long windows; the coverage and recall probes always use the reference ops."""
+    on long windows; the coverage and recall probes always use the reference ops. `final_only`
+    evaluates the last stage alone (the real architecture), for long windows where every stage costs."""
     tokenizer = AutoTokenizer.from_pretrained(student_dir)
     teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).eval()
     student = AutoModelForCausalLM.from_pretrained(student_dir, dtype=torch.float32).eval()
@@ -344,8 +345,10 @@ def validate(teacher_dir: str, student_dir: str, text: str, seq_len: int = 256, 
     teacher_kv = teacher_cross_kv(teacher, student) if arch == "hysparse2" else None
     summaries, switches, previous = [], {}, None
     with fast_reference_ops() if fused else nullcontext():
-        for name, change in tqdm(STAGES[arch], desc="switches", unit="stage"):
+        for i, (name, change) in enumerate(tqdm(STAGES[arch], desc="switches", unit="stage")):
             switches.update(change)
+            if final_only and i < len(STAGES[arch]) - 1:
+                continue
             previous = evaluate_stage(teacher_runs, student, windows, name, dict(switches), teacher_kv, previous)
             summaries.append(previous.summary())
     teacher_ppl = _teacher_perplexity(teacher_runs, windows)
@@ -444,10 +447,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-windows", type=int, default=4)
     parser.add_argument("--fused-attention", action="store_true",
                         help="run the models' attention on fused kernels (same math; for long windows)")
+    parser.add_argument("--final-only", action="store_true", help="evaluate the real architecture only")
     args = parser.parse_args(argv)
     try:
         text = Path(args.text).read_text(encoding="utf-8", errors="replace")
-        report = validate(args.teacher, args.student, text, args.seq_len, args.max_windows, args.fused_attention)
+        report = validate(args.teacher, args.student, text, args.seq_len, args.max_windows, args.fused_attention,
+                          args.final_only)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from tests.tools.test_convert import randomise
 from vllm_hysparse.tools import convert
 from vllm_hysparse.tools.tokenizer import build_hf_tokenizer
 
@@ -26,21 +27,6 @@ def _two_threads():
     torch.set_num_threads(before)
 
 
-def _peaked(model, seed: int) -> None:
-    """Random weights with attention far from uniform, so selection and sharing matter."""
-    gen = torch.Generator().manual_seed(seed)
-    hidden = model.config.hidden_size
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * noise)
-            elif name.endswith(("q_proj.weight", "k_proj.weight")):
-                p.copy_(noise * (4.0 / hidden) ** 0.5)
-            else:
-                p.copy_(noise / p.shape[-1] ** 0.5)
-
-
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     """{"teacher", "hysparse", "hysparse2"} -> checkpoint directories."""
@@ -51,7 +37,7 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
                          tie_word_embeddings=True)
     torch.manual_seed(0)
     teacher = LlamaForCausalLM(config).eval()
-    _peaked(teacher, 0)
+    randomise(teacher, seed=0)  # peaked attention: selection and sharing matter
     teacher.save_pretrained(root / "teacher")
     tok.save_pretrained(root / "teacher")
     out = {"teacher": root / "teacher"}

@@ -33,23 +33,27 @@ _PAPER_MOE = {
 # alignment vLLM's CPU grouped-GEMM MoE kernel needs.
 _TINY_MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64}
 
+_HYSPARSE_TINY = {
+    **_COMMON,
+    "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 4096,
+    "layer_types": [F, S, S, F, S, S],
+    "sparse_block_size": 16, "sparse_topk_blocks": 2, "swa_window": 32,
+}
+_HYSPARSE2_TINY = {
+    **_COMMON,
+    "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4,
+    "num_key_value_heads": 1, "head_dim": 64, "max_position_embeddings": 4096,
+    "layer_types": [W, F, W, F, S, S, F, S],
+    "num_self_decoder_layers": 3, "bridge_sources": [1, 1],
+    "sparse_topk_tokens": 16, "recent_window": 16, "swa_window": 32,
+    "swa_rotary_dim": 32,
+}
+
 PRESETS: dict[str, dict[str, dict]] = {
     "hysparse": {
-        "tiny": {
-            **_COMMON,
-            "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 4096,
-            "layer_types": [F, S, S, F, S, S],
-            "sparse_block_size": 16, "sparse_topk_blocks": 2, "swa_window": 32,
-        },
-        "tiny_moe": {
-            **_COMMON,
-            "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 4096,
-            "layer_types": [F, S, S, F, S, S],
-            "sparse_block_size": 16, "sparse_topk_blocks": 2, "swa_window": 32,
-            **_TINY_MOE, "norm_topk_prob": True, "mlp_only_layers": [0],
-        },
+        "tiny": _HYSPARSE_TINY,
+        "tiny_moe": {**_HYSPARSE_TINY, **_TINY_MOE, "norm_topk_prob": True, "mlp_only_layers": [0]},
         "small": {
             **_COMMON,
             "hidden_size": 768, "intermediate_size": 2560, "num_attention_heads": 12,
@@ -70,25 +74,8 @@ PRESETS: dict[str, dict[str, dict]] = {
         },
     },
     "hysparse2": {
-        "tiny": {
-            **_COMMON,
-            "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4,
-            "num_key_value_heads": 1, "head_dim": 64, "max_position_embeddings": 4096,
-            "layer_types": [W, F, W, F, S, S, F, S],
-            "num_self_decoder_layers": 3, "bridge_sources": [1, 1],
-            "sparse_topk_tokens": 16, "recent_window": 16, "swa_window": 32,
-            "swa_rotary_dim": 32,
-        },
-        "tiny_moe": {
-            **_COMMON,
-            "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4,
-            "num_key_value_heads": 1, "head_dim": 64, "max_position_embeddings": 4096,
-            "layer_types": [W, F, W, F, S, S, F, S],
-            "num_self_decoder_layers": 3, "bridge_sources": [1, 1],
-            "sparse_topk_tokens": 16, "recent_window": 16, "swa_window": 32,
-            "swa_rotary_dim": 32,
-            **_TINY_MOE, "norm_topk_prob": False, "shared_expert_intermediate_size": 96,
-        },
+        "tiny": _HYSPARSE2_TINY,
+        "tiny_moe": {**_HYSPARSE2_TINY, **_TINY_MOE, "norm_topk_prob": False, "shared_expert_intermediate_size": 96},
         "small": {
             **_COMMON,
             "hidden_size": 768, "intermediate_size": 2560, "num_attention_heads": 12,
