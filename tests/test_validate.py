@@ -286,3 +286,17 @@ def test_hysparse2_teacher_without_the_layers_kv_is_refused(pair2, tmp_path, cap
     assert validate.main(["--teacher", str(tmp_path / "other"), "--student", str(root / "student"), "--text",
                           str(text), "--out", str(tmp_path / "r")]) == 2
     assert "has no model.layers.4.self_attn.k_proj.weight" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fixture", ["pair", "pair2"])
+def test_final_only_is_the_last_stage_of_the_full_report(fixture, request):
+    """`--final-only` evaluates the real architecture alone; its numbers are the full report's last stage."""
+    root, report = request.getfixturevalue(fixture)[:2]
+    text = Path(sysconfig.get_paths()["stdlib"], "textwrap.py").read_text()
+    short = validate.validate(str(root / "teacher"), str(root / "student"), text, seq_len=report["seq_len"],
+                              max_windows=report["windows"], final_only=True)
+    assert [s["stage"] for s in short["stages"]] == [report["stages"][-1]["stage"]]
+    got, want = short["stages"][0], report["stages"][-1]
+    assert got["switches"] == want["switches"]
+    for key in ("kl", "top1", "perplexity"):
+        assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-9)
