@@ -110,9 +110,14 @@ class Whole(threading.Thread):
 
 
 TARGETS = {"worker": "VLLM::Worker", "engine_core": "VLLM::EngineCore"}
-# The line that says why the server stopped, per killed process.
-DEATH_LINES = {"worker": "Worker proc VllmWorker-0 died unexpectedly (exit code: -9), shutting down executor",
-               "engine_core": "[shutdown] MPClient: engine core exited unexpectedly; starting cleanup"}
+# The lines that say why the server stopped, per killed process; one of them must appear.
+# A killed worker has two reports in vLLM 0.32. The executor's monitor thread sets `is_failed`
+# and only then logs "died unexpectedly"; on a loaded machine the engine core's next step can
+# see `is_failed` first, raise "Executor failed." and bring the server down before that log
+# line is written (CI hit this once).
+DEATH_LINES = {"worker": ("Worker proc VllmWorker-0 died unexpectedly (exit code: -9), shutting down executor",
+                          "RuntimeError: Executor failed."),
+               "engine_core": ("[shutdown] MPClient: engine core exited unexpectedly; starting cleanup",)}
 
 
 def _title(p: psutil.Process) -> str:
@@ -206,7 +211,7 @@ def test_killed_mid_stream(ckpt, tmp_path, target):
                         + log.read_text()[-4000:])
         exited_after = time.monotonic() - killed_at
         text = log.read_text()
-        assert DEATH_LINES[target] in text, text[-4000:]
+        assert any(line in text for line in DEATH_LINES[target]), text[-4000:]
         assert "EngineDeadError" in text
         # vLLM 0.32 ends this shutdown like a requested one: exit status 0 (see docs/serving.md, Faults).
         assert rc == 0, text[-4000:]
