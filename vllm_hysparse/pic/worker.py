@@ -43,3 +43,19 @@ class HySparseCPUWorker(CPUWorker):
         times = super().compile_or_warm_up_model()
         allocate_intermediate_tensors(self.model_runner)
         return times
+
+    def get_supported_kv_cache_layouts(self) -> list[str]:
+        """Under pipeline parallelism, only the layouts vLLM's CPU attention backend reads.
+
+        vLLM's engine asserts that every worker reports the same list, as if
+        every rank ran the same backends. A pipeline stage holding only layers
+        on our backend (which reads any layout) would report every layout,
+        one with `CPU_ATTN` layers only LBHNC, and the engine would not start.
+        """
+        names = super().get_supported_kv_cache_layouts()
+        if self.parallel_config.pipeline_parallel_size == 1:
+            return names
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        cpu = {layout.name for layout in CPUAttentionBackend.supported_kv_cache_layouts()}
+        return [name for name in names if name in cpu]
