@@ -327,7 +327,7 @@ class HySparse2Model(nn.Module):
         with set_model_tag("cross_decoder"):
             self.cross_decoder = HySparse2CrossDecoder(vllm_config=vllm_config, prefix=f"{prefix}.cross_decoder",
                                                        layers=mine[len(self_layers):])
-        self.has_cross = len(self_layers) < len(mine)
+        self.has_self, self.has_cross = bool(self_layers), len(self_layers) < len(mine)
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps) if pp.is_last_rank else PPMissingLayer()
         self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
             ["hidden_states", "residual", *map(source_key, self.received)], config.hidden_size)
@@ -401,10 +401,13 @@ class HySparse2Model(nn.Module):
         not the sampler reads them (every stage's cross layers share KV, so
         each stage's cross-decoder runs on the logits rows again).
         """
-        hidden_states, residual, *tapped = self.self_decoder(positions, hidden_states, residual)
+        tapped = []
+        if self.has_self:  # a stage may hold no self-decoder layer: then there is no graph to compile
+            hidden_states, residual, *tapped = self.self_decoder(positions, hidden_states, residual)
         rows, count = self._logits_rows()
         if rows is None:  # decode-only step, profiling, or no cross layer here: every row runs
-            hidden_states, residual = self.cross_decoder(positions, hidden_states, residual)
+            if self.has_cross:
+                hidden_states, residual = self.cross_decoder(positions, hidden_states, residual)
             return hidden_states, residual, tapped
         n = rows.shape[0]  # padded by vLLM to a size it may capture
         self.cross_positions[:n].copy_(positions[rows])
