@@ -15,7 +15,7 @@ from vllm.model_executor.layers.linear import QKVParallelLinear, ReplicatedLinea
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader, sharded_weight_loader
 from vllm.model_executor.models.qwen2 import Qwen2MLP
 from vllm.model_executor.models.qwen3_moe import Qwen3MoeMLP
-from vllm.model_executor.models.utils import extract_layer_index
+from vllm.model_executor.models.utils import extract_layer_index, is_pp_missing_parameter
 from vllm.platforms import current_platform
 
 from vllm_hysparse.configs.base import HySparseBaseConfig, kv_report
@@ -267,7 +267,10 @@ def expert_mapping(model: nn.Module, config: HySparseBaseConfig) -> dict[str, tu
 
 def load_checked(model: nn.Module, config: HySparseBaseConfig, stacks: StackTable,
                  weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-    """Strict loading: an unknown, missing, mis-shaped or non-finite tensor is a one-line error naming it."""
+    """Strict loading: an unknown, missing, mis-shaped or non-finite tensor is a one-line error naming it.
+
+    Under pipeline parallelism every stage checks the whole checkpoint and loads its own layers.
+    """
     expected = expected_tensors(config)
     params = dict(model.named_parameters())
     experts = expert_mapping(model, config)
@@ -281,10 +284,14 @@ def load_checked(model: nn.Module, config: HySparseBaseConfig, stacks: StackTabl
             # One expert's gate / up / down: a slice of the layer's stacked w13 or w2.
             param_part, expert, shard = experts[m.group(2)]
             target = f"{m.group(1)}{param_part}weight"
+            if is_pp_missing_parameter(target, model):  # another pipeline stage's layer: checked, not loaded
+                continue
             param = params[target]
             param.weight_loader(param, weight, target, shard_id=shard, expert_id=expert)
             continue
         target, shard = vllm_param_name(config, stacks, name)
+        if is_pp_missing_parameter(target, model):
+            continue
         param = params[target]
         loader = getattr(param, "weight_loader", default_weight_loader)
         if shard is None:

@@ -31,11 +31,19 @@ def select_pic_worker(vllm_config) -> None:
         parallel.worker_cls = worker
 
 
+def check_stages(vllm_config) -> None:
+    """A pipeline split that separates layers sharing a KV cache is a one-line error here, before any worker starts."""
+    from vllm_hysparse.models.pipeline import check_pipeline_split
+
+    check_pipeline_split(vllm_config.model_config.hf_config, vllm_config.parallel_config.pipeline_parallel_size)
+
+
 class HySparseConfigUpdater:
-    """HySparse: the PIC worker."""
+    """HySparse: the PIC worker; the pipeline split keeps blocks together."""
 
     @staticmethod
     def verify_and_update_config(vllm_config) -> None:
+        check_stages(vllm_config)
         select_pic_worker(vllm_config)
 
     @staticmethod
@@ -44,10 +52,12 @@ class HySparseConfigUpdater:
 
 
 class HySparse2ConfigUpdater:
-    """The PIC worker, and vLLM's KV-sharing fast prefill (HySparse2's prefill early exit) on by default."""
+    """The PIC worker, vLLM's KV-sharing fast prefill (HySparse2's prefill early exit) on by default,
+    and a pipeline split that keeps cross-decoder blocks together."""
 
     @staticmethod
     def verify_and_update_config(vllm_config) -> None:
+        check_stages(vllm_config)
         select_pic_worker(vllm_config)
         cache_config = vllm_config.cache_config
         if early_exit_enabled() and not cache_config.kv_sharing_fast_prefill:

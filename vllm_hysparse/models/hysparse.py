@@ -15,13 +15,22 @@ import torch
 from torch import nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
+from vllm.distributed import get_pp_group
+from vllm.distributed.utils import get_pp_indices
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import MergedColumnParallelLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from vllm.model_executor.models.utils import extract_layer_index, make_layers, maybe_prefix
+from vllm.model_executor.models.interfaces import SupportsPP
+from vllm.model_executor.models.utils import (
+    PPMissingLayer,
+    extract_layer_index,
+    make_empty_intermediate_tensors_factory,
+    make_layers,
+    maybe_prefix,
+)
 from vllm.sequence import IntermediateTensors
 
 from vllm_hysparse.attention.backend import BlockSelection, HySparseAttentionBackend
@@ -153,34 +162,47 @@ class HySparseModel(nn.Module):
         self.config = config
         heads = HeadSplit(config)
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
-        # One index buffer per full layer with followers: [tokens, G, topk] block ids.
+        pp = get_pp_group()
+        # This pipeline stage's layers; the config hook has checked that no block straddles stages.
+        start, end = get_pp_indices(config.num_hidden_layers, pp.rank_in_group, pp.world_size)
+        # One index buffer per full layer of this stage with followers: [tokens, G, topk] block ids.
         # Registered (non-persistent) so they live on the model's device; the attention layers hold references.
         self.index_buffers = {}
-        for f in sorted(set(config.oracle_layer.values())):
+        for f in sorted(f for f in set(config.oracle_layer.values()) if start <= f < end):
             self.register_buffer(f"index_buffer_{f}", torch.full(
                 (max_tokens, heads.num_kv_heads, config.sparse_topk_blocks), -1, dtype=torch.int32), persistent=False)
             self.index_buffers[f] = getattr(self, f"index_buffer_{f}")
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
-                                                   prefix=f"{prefix}.embed_tokens")
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size,
+                                                    prefix=f"{prefix}.embed_tokens")
+                             if pp.is_first_rank or (config.tie_word_embeddings and pp.is_last_rank)
+                             else PPMissingLayer())
         self.start_layer, self.end_layer, self.layers = make_layers(
             config.num_hidden_layers,
             lambda prefix: make_decoder_layer(config, vllm_config.cache_config, self.index_buffers, prefix),
             prefix=f"{prefix}.layers")
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps) if pp.is_last_rank else PPMissingLayer()
+        self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
+            ["hidden_states", "residual"], config.hidden_size)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
-        hidden_states = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
-        residual = None
-        for layer in self.layers:
+        """`[T]` ids (first stage) or the previous stage's `[T, hidden]` stream -> last stage's normed `[T, hidden]`."""
+        if get_pp_group().is_first_rank:
+            hidden_states = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
+            residual = None
+        else:
+            hidden_states, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
+        for layer in self.layers[self.start_layer:self.end_layer]:
             hidden_states, residual = layer(positions, hidden_states, residual)
+        if not get_pp_group().is_last_rank:
+            return IntermediateTensors({"hidden_states": hidden_states, "residual": residual})
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
 
-class HySparseForCausalLM(nn.Module):
+class HySparseForCausalLM(nn.Module, SupportsPP):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         config = vllm_config.model_config.hf_config
@@ -188,10 +210,14 @@ class HySparseForCausalLM(nn.Module):
             raise ValueError(f"HySparseForCausalLM needs a 'hysparse' config (got model_type {config.model_type!r})")
         self.config = config
         self.model = HySparseModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
-        if config.tie_word_embeddings:
-            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        self.lm_head = PPMissingLayer()
+        if get_pp_group().is_last_rank:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size,
+                                          prefix=maybe_prefix(prefix, "lm_head"))
+            if config.tie_word_embeddings:
+                self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
         self.logits_processor = LogitsProcessor(config.vocab_size)
+        self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
         log_kv_report(config, vllm_config)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,8 @@ import torch
 from torch import nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
+from vllm.distributed import get_pp_group
+from vllm.distributed.utils import get_pp_indices
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
@@ -32,7 +34,15 @@ from vllm.model_executor.layers.linear import ColumnParallelLinear, MergedColumn
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from vllm.model_executor.models.utils import maybe_prefix
+from vllm.model_executor.models.interfaces import SupportsPP
+from vllm.model_executor.models.utils import (
+    PPMissingLayer,
+    extract_layer_index,
+    make_empty_intermediate_tensors_factory,
+    make_layers,
+    maybe_prefix,
+)
+from vllm.sequence import IntermediateTensors
 from vllm.v1.attention.backends.utils import KVSharingFastPrefillMetadata
 
 from vllm_hysparse.attention.backend import HySparseAttentionBackend, TokenSelection
@@ -198,6 +208,7 @@ class HySparse2CrossAttention(nn.Module):
 class HySparse2DecoderLayer(PreNormDecoderLayer):
     def __init__(self, config: HySparse2Config, attn: nn.Module, bridges: list[HySparse2Bridge], prefix: str):
         super().__init__(config, attn, prefix)
+        self.layer_idx = extract_layer_index(prefix)
         # Bridges whose source is this layer; a plain list: they are registered under `model.bridges`.
         self.bridges = bridges
 
@@ -206,36 +217,63 @@ class HySparse2DecoderLayer(PreNormDecoderLayer):
             bridge(positions, residual)
 
 
-def _run_layers(layers, positions, hidden_states, residual):
+def source_key(layer: int) -> str:
+    """`IntermediateTensors` key of the residual stream entering self layer `layer`, carried to later stages."""
+    return f"bridge_source_{layer}"
+
+
+def _run_layers(layers, positions, hidden_states, residual, taps: frozenset[int] = frozenset()):
+    """Run `layers`; also return the residual streams entering the layers indexed in `taps` (in layer order)."""
+    tapped = []
     for layer in layers:
+        if layer.layer_idx in taps:
+            # What the layer's fused add-norm will form as its residual: the stream a bridge reads.
+            tapped.append(hidden_states if residual is None else hidden_states + residual)
         hidden_states, residual = layer(positions, hidden_states, residual)
-    return hidden_states, residual
+    return hidden_states, residual, tapped
 
 
 @support_torch_compile(enable_if=lambda c: c.cache_config.kv_sharing_fast_prefill)
 class HySparse2SelfDecoder(nn.Module):
-    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", layers: nn.ModuleList):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", layers: list[nn.Module],
+                 taps: frozenset[int] = frozenset()):
         super().__init__()
-        self.layers = layers
+        self.layers = nn.ModuleList(layers)
+        self.taps = taps
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return _run_layers(self.layers, positions, hidden_states, None)
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        """This stage's self-decoder layers; returns (hidden, residual, *tapped bridge sources)."""
+        hidden_states, residual, tapped = _run_layers(self.layers, positions, hidden_states, residual, self.taps)
+        return (hidden_states, residual, *tapped)
 
 
 @support_torch_compile(enable_if=lambda c: c.cache_config.kv_sharing_fast_prefill)
 class HySparse2CrossDecoder(nn.Module):
-    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", layers: nn.ModuleList):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", layers: list[nn.Module]):
         super().__init__()
-        self.layers = layers
+        self.layers = nn.ModuleList(layers)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return _run_layers(self.layers, positions, hidden_states, residual)
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden_states, residual, _ = _run_layers(self.layers, positions, hidden_states, residual)
+        return hidden_states, residual
 
 
 @support_torch_compile(
     dynamic_arg_dims={"input_ids": 0, "positions": -1, "intermediate_tensors": 0, "inputs_embeds": 0},
     enable_if=lambda c: not c.cache_config.kv_sharing_fast_prefill)
 class HySparse2Model(nn.Module):
+    """Embedding, this pipeline stage's layers and bridges, final norm.
+
+    Under pipeline parallelism (see `vllm_hysparse.models.pipeline`) a bridge
+    is built on the stage of its cross full layer, next to the layers that
+    share its cache. When its source self layer is on an earlier stage, the
+    residual stream entering that layer travels with the hidden states as
+    an extra `IntermediateTensors` entry (`source_key`), and the bridge
+    writes its cache from it at the start of this stage's pass.
+    """
+
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         config: HySparse2Config = vllm_config.model_config.hf_config
@@ -245,34 +283,55 @@ class HySparse2Model(nn.Module):
         heads = HeadSplit(config)
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         width = config.sparse_topk_tokens + config.recent_window
-        # One token-selection buffer per cross full layer: [tokens, G, k_g + w] positions.
+        pp = get_pp_group()
+        # This stage's layers; the config hook has checked that no cross-decoder block straddles stages.
+        start, end = get_pp_indices(config.num_hidden_layers, pp.rank_in_group, pp.world_size)
+        here = range(start, end)
+        # One token-selection buffer per cross full layer of this stage: [tokens, G, k_g + w] positions.
         # Registered (non-persistent) so they live on the model's device; the attention layers hold references.
         index_buffers = {}
         for c in config.cross_full_layers:
-            self.register_buffer(f"index_buffer_{c}", torch.full((max_tokens, heads.num_kv_heads, width), -1,
-                                                                 dtype=torch.int32), persistent=False)
-            index_buffers[c] = getattr(self, f"index_buffer_{c}")
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
-                                                   prefix=f"{prefix}.embed_tokens")
+            if c in here:
+                self.register_buffer(f"index_buffer_{c}", torch.full((max_tokens, heads.num_kv_heads, width), -1,
+                                                                     dtype=torch.int32), persistent=False)
+                index_buffers[c] = getattr(self, f"index_buffer_{c}")
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size,
+                                                    prefix=f"{prefix}.embed_tokens")
+                             if pp.is_first_rank or (config.tie_word_embeddings and pp.is_last_rank)
+                             else PPMissingLayer())
         # Bridges own caches, so they are built before any cross-decoder Attention: vLLM's fast
         # prefill needs every Attention after the last cache owner to share KV.
         self.bridges = nn.ModuleDict({
-            str(c): HySparse2Bridge(config, cache_config, c, prefix=f"{prefix}.bridges.{c}")
-            for c in config.cross_full_layers})
-        self.layers = nn.ModuleList(
-            self._make_layer(config, cache_config, i, index_buffers, f"{prefix}.layers.{i}")
-            for i in range(config.num_hidden_layers))
+            str(c): HySparse2Bridge(config, cache_config, c, prefix=f"{prefix}.bridges.{c}") if c in here
+            else PPMissingLayer() for c in config.cross_full_layers})
+        sources = config.bridge_source
+        # Bridge sources this stage receives (bridge here, source earlier), and sends (bridge later).
+        self.received = sorted({s for c, s in sources.items() if c >= start and s < start})
+        self.sent = sorted({s for c, s in sources.items() if c >= end and s < end})
+        self.remote_bridges = [(s, [self.bridges[str(c)] for c, src in sources.items() if src == s and c in here])
+                               for s in self.received]
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            config.num_hidden_layers,
+            lambda prefix: self._make_layer(config, cache_config, extract_layer_index(prefix), index_buffers,
+                                            here, prefix),
+            prefix=f"{prefix}.layers")
         n_self = config.num_self_decoder_layers
+        mine = list(self.layers[start:end])
+        self_layers = [layer for layer in mine if layer.layer_idx < n_self]
+        self.taps = frozenset(s for s in self.sent if s in here)
         from vllm.compilation.backends import set_model_tag
 
         with set_model_tag("self_decoder"):
             self.self_decoder = HySparse2SelfDecoder(vllm_config=vllm_config, prefix=f"{prefix}.self_decoder",
-                                                     layers=self.layers[:n_self])
+                                                     layers=self_layers, taps=self.taps)
         with set_model_tag("cross_decoder"):
             self.cross_decoder = HySparse2CrossDecoder(vllm_config=vllm_config, prefix=f"{prefix}.cross_decoder",
-                                                       layers=self.layers[n_self:])
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        if self.fast_prefill:
+                                                       layers=mine[len(self_layers):])
+        self.has_self, self.has_cross = bool(self_layers), len(self_layers) < len(mine)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps) if pp.is_last_rank else PPMissingLayer()
+        self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
+            ["hidden_states", "residual", *map(source_key, self.received)], config.hidden_size)
+        if self.fast_prefill and self.has_cross:
             # Static inputs of the cross-decoder: a captured graph replays on fixed addresses,
             # so the logits rows are copied here instead of passed as fresh gathers.
             dtype = vllm_config.model_config.dtype
@@ -282,7 +341,7 @@ class HySparse2Model(nn.Module):
             self.register_buffer("cross_residual", torch.zeros(max_tokens, config.hidden_size, dtype=dtype),
                                  persistent=False)
 
-    def _make_layer(self, config, cache_config, i, index_buffers, prefix) -> HySparse2DecoderLayer:
+    def _make_layer(self, config, cache_config, i, index_buffers, here, prefix) -> HySparse2DecoderLayer:
         kind = layer_kind(config, i)
         if kind in ("full", "sliding"):
             attn = HySparse2SelfAttention(config, cache_config, kind == "sliding", f"{prefix}.self_attn")
@@ -290,38 +349,66 @@ class HySparse2Model(nn.Module):
             cache_layer = i if kind == "cross_full" else config.oracle_layer[i]
             attn = HySparse2CrossAttention(config, cache_config, kind == "cross_full", cache_layer,
                                            index_buffers[cache_layer], f"{prefix}.self_attn")
-        bridges = [self.bridges[str(c)] for c, src in config.bridge_source.items() if src == i]
+        # Bridges of this stage whose source is this layer; the others get their source carried over.
+        bridges = [self.bridges[str(c)] for c, src in config.bridge_source.items() if src == i and c in here]
         return HySparse2DecoderLayer(config, attn, bridges, prefix)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
-        hidden_states = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
+        """`[T]` ids (first stage) or the previous stage's tensors -> last stage's normed `[T, hidden]`."""
+        if get_pp_group().is_first_rank:
+            hidden_states = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
+            residual, carried = None, {}
+        else:
+            hidden_states, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
+            carried = {s: intermediate_tensors[source_key(s)] for s in self.received}
+        for s, bridges in self.remote_bridges:
+            for bridge in bridges:
+                bridge(positions, carried[s])
         if self.fast_prefill:
-            return self._early_exit_forward(positions, hidden_states)
-        hidden_states, residual = _run_layers(self.layers, positions, hidden_states, None)
+            hidden_states, residual, tapped = self._early_exit_forward(positions, hidden_states, residual)
+        else:
+            hidden_states, residual, tapped = _run_layers(self.layers[self.start_layer:self.end_layer], positions,
+                                                          hidden_states, residual, self.taps)
+        if not get_pp_group().is_last_rank:
+            carried.update(zip(sorted(self.taps), tapped))
+            return IntermediateTensors({"hidden_states": hidden_states, "residual": residual,
+                                        **{source_key(s): carried[s] for s in self.sent}})
+        if residual is None:  # the early exit has normed the logits rows already
+            return hidden_states
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
     def _logits_rows(self) -> tuple[torch.Tensor | None, int | None]:
         """(row indices, count) whose logits this step needs, from the fast-prefill metadata."""
         metadata = get_forward_context().attn_metadata
-        if metadata is None:  # profiling run
+        if metadata is None or not self.has_cross:  # profiling run, or no cross-decoder layer on this stage
             return None, None
-        last = metadata[self.layers[-1].self_attn.attn.layer_name]
+        last = metadata[self.layers[self.end_layer - 1].self_attn.attn.layer_name]
         if isinstance(last, KVSharingFastPrefillMetadata):
             return last.logits_indices_padded, last.num_logits_indices
         return None, None
 
-    def _early_exit_forward(self, positions, hidden_states):
-        """Self-decoder (and bridges) on every row; cross-decoder on the logits rows only (SPEC §3.3)."""
-        hidden_states, residual = self.self_decoder(positions, hidden_states)
+    def _early_exit_forward(self, positions, hidden_states, residual):
+        """Self-decoder (and bridges) on every row; cross-decoder on the logits rows only (SPEC §3.3).
+
+        Returns (hidden, residual, tapped bridge sources). On the last stage the
+        logits rows come back normed, with residual None; on an earlier stage
+        they are scattered back into full-size hidden and residual tensors.
+        Rows without logits keep self-decoder values: no later cross layer and
+        not the sampler reads them (every stage's cross layers share KV, so
+        each stage's cross-decoder runs on the logits rows again).
+        """
+        tapped = []
+        if self.has_self:  # a stage may hold no self-decoder layer: then there is no graph to compile
+            hidden_states, residual, *tapped = self.self_decoder(positions, hidden_states, residual)
         rows, count = self._logits_rows()
-        if rows is None:  # decode-only step or profiling: every row needs logits
-            out, residual = self.cross_decoder(positions, hidden_states, residual)
-            out, _ = self.norm(out, residual)
-            return out
+        if rows is None:  # decode-only step, profiling, or no cross layer here: every row runs
+            if self.has_cross:
+                hidden_states, residual = self.cross_decoder(positions, hidden_states, residual)
+            return hidden_states, residual, tapped
         n = rows.shape[0]  # padded by vLLM to a size it may capture
         self.cross_positions[:n].copy_(positions[rows])
         self.cross_hidden[:n].copy_(hidden_states[rows])
@@ -329,11 +416,15 @@ class HySparse2Model(nn.Module):
         with _cross_decoder_batch(n):
             out, cross_residual = self.cross_decoder(self.cross_positions[:n], self.cross_hidden[:n],
                                                      self.cross_residual[:n])
-        out, _ = self.norm(out, cross_residual)
-        # Rows without logits keep self-decoder values; the sampler never reads them.
         result = hidden_states.clone()
+        if get_pp_group().is_last_rank:
+            out, _ = self.norm(out, cross_residual)
+            result[rows[:count]] = out[:count]
+            return result, None, tapped
         result[rows[:count]] = out[:count]
-        return result
+        residual = residual.clone()
+        residual[rows[:count]] = cross_residual[:count]
+        return result, residual, tapped
 
 
 @contextlib.contextmanager
@@ -349,7 +440,7 @@ def _cross_decoder_batch(num_tokens: int):
         context.batch_descriptor = saved
 
 
-class HySparse2ForCausalLM(nn.Module):
+class HySparse2ForCausalLM(nn.Module, SupportsPP):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         config = vllm_config.model_config.hf_config
@@ -358,10 +449,14 @@ class HySparse2ForCausalLM(nn.Module):
                 f"HySparse2ForCausalLM needs a 'hysparse2' config (got model_type {config.model_type!r})")
         self.config = config
         self.model = HySparse2Model(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
-        if config.tie_word_embeddings:
-            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        self.lm_head = PPMissingLayer()
+        if get_pp_group().is_last_rank:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size,
+                                          prefix=maybe_prefix(prefix, "lm_head"))
+            if config.tie_word_embeddings:
+                self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
         self.logits_processor = LogitsProcessor(config.vocab_size)
+        self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
         log_kv_report(config, vllm_config)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,44 @@ def enable_pic(runner) -> None:
         runner.__class__ = type(f"PIC{cls.__name__}", (PICRunnerMixin, cls), {})
 
 
+def allocate_intermediate_tensors(runner) -> None:
+    """The receive buffers of a later pipeline stage, as vLLM's dummy run would allocate them.
+
+    vLLM 0.32's CPU worker runs no dummy forward in eager mode (its warm-up
+    returns early without compilation), so on a stage other than the first the
+    runner's `intermediate_tensors` stays None and the first step fails an
+    assertion in `sync_and_gather_intermediate_tensors`.
+    """
+    from vllm.distributed.parallel_state import get_pp_group
+
+    if get_pp_group().is_first_rank or runner.intermediate_tensors is not None:
+        return
+    runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
+        batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device)
+
+
 class HySparseCPUWorker(CPUWorker):
     def init_device(self):
         super().init_device()
         enable_pic(self.model_runner)
+
+    def compile_or_warm_up_model(self):
+        times = super().compile_or_warm_up_model()
+        allocate_intermediate_tensors(self.model_runner)
+        return times
+
+    def get_supported_kv_cache_layouts(self) -> list[str]:
+        """Under pipeline parallelism, only the layouts vLLM's CPU attention backend reads.
+
+        vLLM's engine asserts that every worker reports the same list, as if
+        every rank ran the same backends. A pipeline stage holding only layers
+        on our backend (which reads any layout) would report every layout,
+        one with `CPU_ATTN` layers only LBHNC, and the engine would not start.
+        """
+        names = super().get_supported_kv_cache_layouts()
+        if self.parallel_config.pipeline_parallel_size == 1:
+            return names
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        cpu = {layout.name for layout in CPUAttentionBackend.supported_kv_cache_layouts()}
+        return [name for name in names if name in cpu]
