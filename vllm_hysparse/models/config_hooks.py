@@ -31,11 +31,19 @@ def select_pic_worker(vllm_config) -> None:
         parallel.worker_cls = worker
 
 
+def check_tensor_parallel(vllm_config) -> None:
+    """Refuse a TP size that neither splits nor replicates the KV heads evenly, before any worker starts."""
+    from vllm_hysparse.configs.base import tensor_parallel_heads
+
+    tensor_parallel_heads(vllm_config.model_config.hf_config, vllm_config.parallel_config.tensor_parallel_size)
+
+
 class HySparseConfigUpdater:
     """HySparse: the PIC worker."""
 
     @staticmethod
     def verify_and_update_config(vllm_config) -> None:
+        check_tensor_parallel(vllm_config)
         select_pic_worker(vllm_config)
 
     @staticmethod
@@ -48,6 +56,7 @@ class HySparse2ConfigUpdater:
 
     @staticmethod
     def verify_and_update_config(vllm_config) -> None:
+        check_tensor_parallel(vllm_config)
         select_pic_worker(vllm_config)
         cache_config = vllm_config.cache_config
         if early_exit_enabled() and not cache_config.kv_sharing_fast_prefill:
