@@ -111,7 +111,8 @@ class HeadSplit:
         """Oracle output `[T, oracle_heads * Dv]` -> this rank's heads `[T, H/tp * Dv]`."""
         if not self.groups_split:
             return o
-        return o[:, self.group_offset * self.head_dim_v:(self.group_offset + self.num_heads) * self.head_dim_v].contiguous()
+        first, dv = self.group_offset, self.head_dim_v
+        return o[:, first * dv:(first + self.num_heads) * dv].contiguous()
 
     def own_kv(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A bridge's K/V `[T, G_kv*D + G_kv*Dv]` (`kv_parallel` layout) -> this rank's k `[T, G*D]`, v `[T, G*Dv]`.
