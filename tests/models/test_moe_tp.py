@@ -3,8 +3,8 @@
 
 HySparse `tiny_moe` plus a shared expert: each rank holds half of every
 expert's and of the shared expert's intermediate dims, and the routed and
-shared outputs are summed across ranks once. (HySparse2's presets are MQA,
-which our attention cannot split over two ranks yet.)
+shared outputs are summed across ranks once. HySparse2's MoE preset (MQA, so
+with replicated KV heads) runs at TP=2 in `test_tp_replication.py`.
 """
 
 import torch

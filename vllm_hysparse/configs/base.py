@@ -231,25 +231,48 @@ class HySparseBaseConfig(PreTrainedConfig):
         return self.num_experts > 0 and layer_idx not in self.mlp_only_layers
 
 
-def kv_bytes_per_layer(config: HySparseBaseConfig, dtype_bytes: int) -> int:
-    """Bytes one token costs in one cache: K at `head_dim` and V at `v_head_dim` per KV head (SPEC §2.6).
+def tensor_parallel_heads(config: HySparseBaseConfig, tp: int) -> tuple[int, int]:
+    """(query heads, KV heads) of one rank at `tensor_parallel_size=tp`, or a one-line error.
+
+    Like vLLM's `QKVParallelLinear`: KV heads are split when `tp` divides
+    them and replicated when `tp` exceeds them (`tp / G` ranks hold each KV
+    head), which needs `tp` to be a multiple of their count.
+    """
+    h, g = config.num_attention_heads, config.num_key_value_heads
+    if h % tp:
+        raise ValueError(f"tensor_parallel_size={tp} must divide num_attention_heads={h}")
+    if tp <= g and g % tp:
+        raise ValueError(f"tensor_parallel_size={tp} must divide num_key_value_heads={g} (or be a multiple of it)")
+    if tp > g and tp % g:
+        raise ValueError(f"tensor_parallel_size={tp} must be a multiple of num_key_value_heads={g} "
+                         "to replicate KV heads (or divide it)")
+    return h // tp, max(1, g // tp)
+
+
+def kv_bytes_per_layer(config: HySparseBaseConfig, dtype_bytes: int, tp: int = 1) -> int:
+    """Bytes one token costs in one cache of one rank: K at `head_dim` and V at `v_head_dim` per KV head (SPEC §2.6).
 
     Every cache stores both at their own widths, window caches too (see
     `vllm_hysparse.models.common.window_attention`), so this holds for all of them.
+    Under tensor parallelism a rank stores its `max(1, G / tp)` KV heads.
     """
-    return config.num_key_value_heads * (config.head_dim + config.v_head_dim) * dtype_bytes
+    return tensor_parallel_heads(config, tp)[1] * (config.head_dim + config.v_head_dim) * dtype_bytes
 
 
-def kv_report(config: HySparseBaseConfig, dtype_bytes: int, kv_memory_bytes: int | None) -> str:
+def kv_report(config: HySparseBaseConfig, dtype_bytes: int, kv_memory_bytes: int | None, tp: int = 1) -> str:
     """One line for the server log: KV bytes per token (SPEC §3.4) and, given the KV memory, tokens that fit.
 
     Window caches are bounded (`swa_window` tokens per sequence each), so the
     context that fits is set by the full-length caches; vLLM's own "KV cache
     size" line counts every cache group as full length and understates it.
+    Under tensor parallelism (`tp > 1`) the bytes are those of one rank, as is
+    vLLM's KV memory: replicated KV heads cost every rank that holds them.
     """
-    per_layer = kv_bytes_per_layer(config, dtype_bytes)
+    per_layer = kv_bytes_per_layer(config, dtype_bytes, tp)
     full, windowed = config.kv_cache_layers()
-    line = (f"HySparse KV cache: {per_layer * full} bytes/token in {full} full-length caches "
+    scope = "" if tp == 1 else (f" per rank (tensor_parallel_size={tp}: {tensor_parallel_heads(config, tp)[1]} "
+                                f"of {config.num_key_value_heads} KV heads each)")
+    line = (f"HySparse KV cache{scope}: {per_layer * full} bytes/token in {full} full-length caches "
             f"+ {windowed} window caches of {config.swa_window} tokens ({per_layer * windowed * config.swa_window} "
             f"bytes/sequence); a dense model of this shape needs {per_layer * config.num_hidden_layers} bytes/token")
     if kv_memory_bytes:

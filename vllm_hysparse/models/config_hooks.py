@@ -31,11 +31,15 @@ def select_pic_worker(vllm_config) -> None:
         parallel.worker_cls = worker
 
 
-def check_stages(vllm_config) -> None:
-    """A pipeline split that separates layers sharing a KV cache is a one-line error here, before any worker starts."""
+def check_parallel(vllm_config) -> None:
+    """Refuse, before any worker starts, a TP size that neither splits nor replicates the KV heads evenly
+    and a pipeline split that separates layers sharing a KV cache (one-line errors)."""
+    from vllm_hysparse.configs.base import tensor_parallel_heads
     from vllm_hysparse.models.pipeline import check_pipeline_split
 
-    check_pipeline_split(vllm_config.model_config.hf_config, vllm_config.parallel_config.pipeline_parallel_size)
+    config, parallel = vllm_config.model_config.hf_config, vllm_config.parallel_config
+    tensor_parallel_heads(config, parallel.tensor_parallel_size)
+    check_pipeline_split(config, parallel.pipeline_parallel_size)
 
 
 class HySparseConfigUpdater:
@@ -43,7 +47,7 @@ class HySparseConfigUpdater:
 
     @staticmethod
     def verify_and_update_config(vllm_config) -> None:
-        check_stages(vllm_config)
+        check_parallel(vllm_config)
         select_pic_worker(vllm_config)
 
     @staticmethod
@@ -57,7 +61,7 @@ class HySparse2ConfigUpdater:
 
     @staticmethod
     def verify_and_update_config(vllm_config) -> None:
-        check_stages(vllm_config)
+        check_parallel(vllm_config)
         select_pic_worker(vllm_config)
         cache_config = vllm_config.cache_config
         if early_exit_enabled() and not cache_config.kv_sharing_fast_prefill:

@@ -82,10 +82,13 @@ class HySparseFullAttention(nn.Module):
         self.rotary_emb = get_rope(config.head_dim, max_position=config.max_position_embeddings,
                                    rope_parameters=config.rope_parameters)
         # The last full layer may have no sparse followers: then it is plain attention.
-        oracle_args = plain_full_attention(config) if index_buffer is None else dict(
+        self.oracle = index_buffer is not None
+        oracle_args = plain_full_attention(config) if not self.oracle else dict(
             attn_backend=HySparseAttentionBackend, hysparse_role="oracle", index_buffer=index_buffer,
             selection=BlockSelection(config.sparse_block_size, config.sparse_topk_blocks), **separate_v(config))
-        self.attn = Attention(self.heads.num_heads, config.head_dim, config.head_dim**-0.5,
+        # An oracle runs its whole KV group's query heads (see `HeadSplit.group_query`).
+        num_heads = self.heads.oracle_heads if self.oracle else self.heads.num_heads
+        self.attn = Attention(num_heads, config.head_dim, config.head_dim**-0.5,
                               num_kv_heads=self.heads.num_kv_heads, cache_config=cache_config,
                               prefix=f"{prefix}.attn", **oracle_args)
 
@@ -95,7 +98,10 @@ class HySparseFullAttention(nn.Module):
         q, k, v = h.split_qkv(qkv)
         q, k = head_norm(q, self.q_norm, h.head_dim), head_norm(k, self.k_norm, h.head_dim)
         q, k = self.rotary_emb(positions, q, k)
-        out, _ = self.o_proj(self.attn(q, k, v))
+        if self.oracle:
+            out, _ = self.o_proj(h.own_heads(self.attn(h.group_query(q), k, v)))
+        else:
+            out, _ = self.o_proj(self.attn(q, k, v))
         return out
 
 

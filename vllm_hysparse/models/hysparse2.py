@@ -107,7 +107,8 @@ class HySparse2Bridge(nn.Module):
         g = config.num_key_value_heads
         self.bridge_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.kv_proj = MergedColumnParallelLinear(config.hidden_size, [g * config.head_dim, g * config.v_head_dim],
-                                                  bias=config.attention_bias, prefix=f"{prefix}.kv_proj")
+                                                  bias=config.attention_bias, prefix=f"{prefix}.kv_proj",
+                                                  **h.kv_parallel())
         self.k_norm = maybe_head_norm(config)
         self.rotary_emb = _rope(config, sliding=False)
         self.layer_name = bridge_layer_name(cross_layer)
@@ -120,7 +121,7 @@ class HySparse2Bridge(nn.Module):
     def forward(self, positions: torch.Tensor, h_src: torch.Tensor) -> None:
         h = self.heads
         kv, _ = self.kv_proj(self.bridge_norm(h_src))
-        k, v = kv.split([h.kv_size, h.v_size], dim=-1)
+        k, v = h.own_kv(kv)
         k = head_norm(k, self.k_norm, h.head_dim)
         if self.rotary_emb is not None:
             k = _rotate_alone(self.rotary_emb, positions, k)
@@ -187,7 +188,9 @@ class HySparse2CrossAttention(nn.Module):
                                                   prefix=f"{prefix}.gate_proj")
             self.sinks = make_sinks(config, h)
             extra.update(hysparse_role="token_sparse", sinks=self.sinks)
-        self.attn = Attention(h.num_heads, config.head_dim, config.head_dim**-0.5, num_kv_heads=h.num_kv_heads,
+        # The token oracle runs its whole KV group's query heads (see `HeadSplit.group_query`).
+        num_heads = h.oracle_heads if full else h.num_heads
+        self.attn = Attention(num_heads, config.head_dim, config.head_dim**-0.5, num_kv_heads=h.num_kv_heads,
                               cache_config=cache_config, prefix=f"{prefix}.attn",
                               kv_sharing_target_layer_name=bridge_layer_name(cache_layer),
                               attn_backend=HySparseAttentionBackend, **separate_v(config), **extra)
@@ -197,8 +200,10 @@ class HySparse2CrossAttention(nn.Module):
         q = head_norm(q, self.q_norm, self.heads.head_dim)
         if self.rotary_emb is not None:
             q = _rotate_alone(self.rotary_emb, positions, q)
-        o = self.attn(q, None, None)
-        if not self.full:
+        if self.full:
+            o = self.heads.own_heads(self.attn(self.heads.group_query(q), None, None))
+        else:
+            o = self.attn(q, None, None)
             gate, _ = self.gate_proj(hidden_states)
             o = apply_gate(gate, o, self.heads).to(hidden_states.dtype)
         out, _ = self.o_proj(o)
