@@ -26,13 +26,19 @@ _LOADED: dict[str, object] = {}
 logger = logging.getLogger("vllm.hysparse")
 
 
-def _machine_tag() -> str:
-    """Builds use -march=native: key the cache by this CPU's flags so no build runs on another CPU."""
+def _build_tag(source: Path) -> str:
+    """Key of a build in torch's extension cache: this CPU's flags and the source's path.
+
+    Builds use -march=native, so no build may run on another CPU. The path
+    keeps two checkouts from sharing one cache entry: torch rebuilds an entry
+    whose source path changed, so they would rebuild it in turn, each waiting
+    on the other's lock (and a build killed midway leaves a lock behind).
+    """
     try:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
         flags = os.uname().machine
-    return hashlib.sha1(flags.encode()).hexdigest()[:10]
+    return hashlib.sha1(f"{flags}\n{source.resolve()}".encode()).hexdigest()[:10]
 
 
 def load(name: str = "oracle_decode"):
@@ -49,7 +55,7 @@ def _build(name: str):
     try:
         from torch.utils.cpp_extension import load as jit_load
 
-        return jit_load(name=f"hysparse_{name}_{_machine_tag()}", sources=[str(_SOURCES[name])],
+        return jit_load(name=f"hysparse_{name}_{_build_tag(_SOURCES[name])}", sources=[str(_SOURCES[name])],
                         extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the PyTorch path
         logger.warning("HySparse C++ CPU kernel %s unavailable (%s: %s); using the PyTorch path",
