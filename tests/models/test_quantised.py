@@ -151,28 +151,43 @@ def fp8(request, tmp_path_factory):
 def test_quant_config_reaches_every_linear(fp8):
     arch, _, dst, llm, _, quantised = fp8
     methods = llm.collective_rpc(_linear_methods)[0]
-    fused = {p for p in methods if p.rsplit(".", 1)[1] in MODELS[arch][1].packed_modules_mapping}
+    fused = {p for p in methods if p.split(".")[-1] in MODELS[arch][1].packed_modules_mapping}
     assert len(fused) >= 8, methods
     for prefix, method in methods.items():
         want = "UnquantizedLinearMethod" if prefix in IGNORED_VLLM[arch] else "CompressedTensorsLinearMethod"
+        if prefix == "lm_head":  # an embedding to vLLM; kept in float like every FP8 checkpoint's head
+            want = "UnquantizedEmbeddingMethod"
         assert method == want, (prefix, method)
 
 
+def _first_errors(ref, got) -> list[float]:
+    """|logprob difference| of the reference's first greedy token per prompt (it depends on the prompt only)."""
+    return [abs(a.logprobs[0][a.token_ids[0]] - b.logprobs[0].get(a.token_ids[0], -99.0))
+            for a, b in zip(ref, got, strict=True)]
+
+
 def test_fp8_greedy_matches_dequantised_reference(fp8):
-    """Tolerance: both sides compute the same products in float32; what differs is summation order
-    (~1e-6 relative) and, rarely, an activation rounding to the neighbouring FP8 code because its
-    input differed by that much. The float reference is the control: FP8 moves logprobs by far more."""
+    """The engine computes the FP8 math, not the float model's.
+
+    Tolerance 2e-2: both sides compute the same products in float32, but an
+    activation whose float32 value differs by summation order (~1e-6
+    relative) can round to the neighbouring e4m3 code, a step of 1/16 to 1/8
+    of that element; a few such flips per step move a logprob of this random
+    tiny model by up to ~1e-2 (measured: up to 1e-2 on HySparse's 64- and 150-token
+    prompts, under 1e-6 on the shorter ones and on HySparse2). The
+    float reference is the control: FP8 quantisation itself moves the first
+    token's logprob ten times more than what separates the engine from the
+    dequantised reference.
+    """
     arch, src, _, llm, reference, _ = fp8
-    config = reference.config
-    prompts = random_prompts(LENGTHS, config.vocab_size, seed=22)
+    prompts = random_prompts(LENGTHS, reference.config.vocab_size, seed=22)
     got = vllm_greedy(llm, prompts, MAX_TOKENS)
-    matched = check_logprobs_close(reference_greedy(reference, prompts, MAX_TOKENS), got, atol=5e-3)
-    assert matched >= 0.8 * len(LENGTHS) * MAX_TOKENS
+    ref = reference_greedy(reference, prompts, MAX_TOKENS)
+    check_logprobs_close(ref, got, atol=2e-2)
     plain = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    ref_plain = reference_greedy(plain, prompts, MAX_TOKENS)
-    first = [abs(a.logprobs[0][a.token_ids[0]] - b.logprobs[0].get(a.token_ids[0], -99.0))
-             for a, b in zip(ref_plain, got, strict=True)]
-    assert max(first) > 5e-3, f"FP8 serving is indistinguishable from the float model ({first}): no FP8 ran"
+    fp8_err, float_err = _first_errors(ref, got), _first_errors(reference_greedy(plain, prompts, 1), got)
+    print(f"FP8-ERR {arch} vs dequantised reference {fp8_err} vs float reference {float_err}")
+    assert sorted(fp8_err)[len(fp8_err) // 2] * 10 < sorted(float_err)[len(float_err) // 2], (fp8_err, float_err)
 
 
 def _edit(dst, path, edit):
