@@ -112,6 +112,8 @@ def check_finite(name: str, tensor) -> None:
     """
     import torch
 
+    if tensor.is_floating_point() and tensor.element_size() == 1:
+        tensor = tensor.float()  # FP8 weights: isfinite has no float8 kernel
     if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
         nan, inf = int(torch.isnan(tensor).sum()), int(torch.isinf(tensor).sum())
         raise ValueError(f"checkpoint tensor {name} has non-finite values ({nan} NaN, {inf} inf of "

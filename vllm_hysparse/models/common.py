@@ -16,6 +16,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.fused_moe import FusedMoEFactory, fused_moe_make_expert_params_mapping
 from vllm.model_executor.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
+from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader, sharded_weight_loader
 from vllm.model_executor.models.qwen2 import Qwen2MLP
 from vllm.model_executor.models.qwen3_moe import Qwen3MoeMLP
@@ -43,10 +44,12 @@ QKV_STACK = {"q_proj": ("model.layers.{i}.self_attn.qkv_proj", "q"), "k_proj": (
              "v_proj": ("model.layers.{i}.self_attn.qkv_proj", "v")}
 SHARED_EXPERT_STACK = {"gate_proj": ("model.layers.{i}.mlp.shared_expert.gate_up_proj", 0),
                        "up_proj": ("model.layers.{i}.mlp.shared_expert.gate_up_proj", 1)}
-# The only names ever renamed: `model.layers.{i}.{group}.{module}.{leaf}`.
-RENAMED = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp|mlp\.shared_expert)\.(\w+)\.(weight|bias)")
-# A routed expert's tensor: (`model.layers.{i}.mlp.`, `experts.{e}.{proj}.`).
-EXPERT_TENSOR = re.compile(r"(model\.layers\.\d+\.mlp\.)(experts\.\d+\.\w+\.)weight")
+# The only names ever renamed: `model.layers.{i}.{group}.{module}.{leaf}` (the leaf may be a quant tensor).
+RENAMED = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp|mlp\.shared_expert)\.(\w+)\.(\w+)")
+# A routed expert's tensor: (`model.layers.{i}.mlp.`, `experts.{e}.{proj}.`, leaf).
+EXPERT_TENSOR = re.compile(r"(model\.layers\.\d+\.mlp\.)(experts\.\d+\.\w+\.)(\w+)")
+# Parameter dtypes that plain float weights must never be copied into (or come from): a cast would drop scales.
+PLAIN_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 class HeadSplit:
@@ -135,18 +138,24 @@ class HeadSplit:
         return {"disable_tp": True} if self.groups_split else {}
 
 
-def qkv_and_out(config: HySparseBaseConfig, prefix: str) -> tuple[QKVParallelLinear, RowParallelLinear]:
-    """Fused q/k/v projection (v `v_head_dim` wide) and the output projection of an attention layer."""
+def qkv_and_out(config: HySparseBaseConfig, prefix: str, quant_config: QuantizationConfig | None = None,
+                qkv_name: str = "qkv_proj") -> tuple[QKVParallelLinear, RowParallelLinear]:
+    """Fused q/k/v projection (v `v_head_dim` wide) and the output projection of an attention layer.
+
+    `qkv_name` is the fused module's attribute name: its prefix must be the
+    parameter path, which quantization configs match against.
+    """
     qkv = QKVParallelLinear(config.hidden_size, config.head_dim, config.num_attention_heads,
-                            config.num_key_value_heads, bias=config.attention_bias, prefix=f"{prefix}.qkv_proj",
-                            v_head_size=config.v_head_dim)
-    return qkv, out_proj(config, prefix)
+                            config.num_key_value_heads, bias=config.attention_bias, quant_config=quant_config,
+                            prefix=f"{prefix}.{qkv_name}", v_head_size=config.v_head_dim)
+    return qkv, out_proj(config, prefix, quant_config)
 
 
-def out_proj(config: HySparseBaseConfig, prefix: str) -> RowParallelLinear:
+def out_proj(config: HySparseBaseConfig, prefix: str, quant_config: QuantizationConfig | None = None
+             ) -> RowParallelLinear:
     """`o_proj` `[hidden, H * v_head_dim]`: it reads the attention output, which is as wide as V."""
     return RowParallelLinear(config.num_attention_heads * config.v_head_dim, config.hidden_size, bias=False,
-                             prefix=f"{prefix}.o_proj")
+                             quant_config=quant_config, prefix=f"{prefix}.o_proj")
 
 
 def check_expert_parallel(num_experts: int, moe_parallel_config, on_cpu: bool) -> None:
@@ -175,22 +184,27 @@ class SparseMoeBlock(nn.Module):
     scaled by `sigmoid(shared_expert_gate x)` and added to the routed sum.
     """
 
-    def __init__(self, config: HySparseBaseConfig, prefix: str):
+    def __init__(self, config: HySparseBaseConfig, prefix: str, quant_config: QuantizationConfig | None = None):
         super().__init__()
         e = config.hidden_size
         # Assigned before `experts`, which holds them too: their parameters keep these names.
-        self.gate = ReplicatedLinear(e, config.num_experts, bias=False, prefix=f"{prefix}.gate")
+        # The router takes the quant config as in vLLM's Qwen3-MoE (checkpoints usually list it
+        # as ignored); the one-wide shared-expert gate never does, as in Qwen2/3-MoE.
+        self.gate = ReplicatedLinear(e, config.num_experts, bias=False, quant_config=quant_config,
+                                     prefix=f"{prefix}.gate")
         self.shared_expert = None
         if config.shared_expert_intermediate_size:
-            self.shared_expert_gate = ReplicatedLinear(e, 1, bias=False, prefix=f"{prefix}.shared_expert_gate")
+            self.shared_expert_gate = ReplicatedLinear(e, 1, bias=False, quant_config=None,
+                                                       prefix=f"{prefix}.shared_expert_gate")
             # Not reduced on its own: the fused MoE reduces shared + routed once under TP.
             self.shared_expert = Qwen3MoeMLP(e, config.shared_expert_intermediate_size, config.hidden_act,
-                                             reduce_results=False, expert_gate=self.shared_expert_gate,
-                                             prefix=f"{prefix}.shared_expert")
+                                             quant_config=quant_config, reduce_results=False,
+                                             expert_gate=self.shared_expert_gate, prefix=f"{prefix}.shared_expert")
         self.experts = FusedMoEFactory(
             num_experts=config.num_experts, top_k=config.num_experts_per_tok, hidden_size=e,
             intermediate_size=config.moe_intermediate_size, renormalize=config.norm_topk_prob,
-            prefix=f"{prefix}.experts", gate=self.gate, shared_experts=self.shared_expert)
+            quant_config=quant_config, prefix=f"{prefix}.experts", gate=self.gate,
+            shared_experts=self.shared_expert)
         check_expert_parallel(config.num_experts, self.experts.moe_config.moe_parallel_config,
                               current_platform.is_cpu())
 
@@ -199,11 +213,13 @@ class SparseMoeBlock(nn.Module):
         return self.experts(hidden_states=hidden_states, router_logits=hidden_states)
 
 
-def make_mlp(config: HySparseBaseConfig, layer_idx: int, prefix: str) -> nn.Module:
+def make_mlp(config: HySparseBaseConfig, layer_idx: int, prefix: str,
+             quant_config: QuantizationConfig | None = None) -> nn.Module:
     """MoE unless the model is dense or the layer is in `mlp_only_layers` (SPEC §2.6)."""
     if config.is_moe_layer(layer_idx):
-        return SparseMoeBlock(config, prefix)
-    return Qwen2MLP(config.hidden_size, config.intermediate_size, config.hidden_act, prefix=prefix)
+        return SparseMoeBlock(config, prefix, quant_config)
+    return Qwen2MLP(config.hidden_size, config.intermediate_size, config.hidden_act, quant_config=quant_config,
+                    prefix=prefix)
 
 
 def separate_v(config: HySparseBaseConfig) -> dict:
@@ -251,10 +267,11 @@ def window_attention(config: HySparseBaseConfig, sinks: nn.Parameter | None) -> 
 class PreNormDecoderLayer(nn.Module):
     """Pre-norm residual block around any attention module, with vLLM's fused residual adds."""
 
-    def __init__(self, config: HySparseBaseConfig, attn: nn.Module, prefix: str):
+    def __init__(self, config: HySparseBaseConfig, attn: nn.Module, prefix: str,
+                 quant_config: QuantizationConfig | None = None):
         super().__init__()
         self.self_attn = attn
-        self.mlp = make_mlp(config, extract_layer_index(prefix), f"{prefix}.mlp")
+        self.mlp = make_mlp(config, extract_layer_index(prefix), f"{prefix}.mlp", quant_config)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -334,41 +351,121 @@ def expert_mapping(model: nn.Module, config: HySparseBaseConfig) -> dict[str, tu
     return {weight_part: (param_part, expert, shard) for param_part, weight_part, expert, shard in mapping}
 
 
+class Route:
+    """Where each checkpoint tensor goes: vLLM parameter, shard id, expert id (SPEC §2.2, §2.6)."""
+
+    def __init__(self, model: nn.Module, config: HySparseBaseConfig, stacks: StackTable):
+        self.config, self.stacks = config, stacks
+        self.experts = expert_mapping(model, config)
+
+    def __call__(self, name: str) -> tuple[str, str | int | None, int | None]:
+        m = EXPERT_TENSOR.fullmatch(name)
+        if m is not None and m.group(2) in self.experts:
+            # One expert's gate / up / down (or its scales): a slice of the layer's stacked w13 or w2.
+            param_part, expert, shard = self.experts[m.group(2)]
+            return f"{m.group(1)}{param_part}{m.group(3)}", shard, expert
+        target, shard = vllm_param_name(self.config, self.stacks, name)
+        return target, shard, None
+
+
+def quantised_layout(model: nn.Module, route: Route, expected: dict[str, tuple[int, ...]]
+                     ) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """The checkpoint layout under the model's quant methods: (plain tensors and shapes, quant tensor names).
+
+    A quant method registers its own parameters on each linear it owns:
+    FP8 keeps `weight` and adds `weight_scale` (or `weight_scale_inv`,
+    `input_scale`); GPTQ / AWQ replace `weight` by `qweight`, `scales`, ....
+    Each checkpoint module stacked into that linear (every shard of a fused
+    one, every expert) must then carry the same tensors. Without a quant
+    config this returns `expected` unchanged and no quant tensors.
+    """
+    own = {name: set(module._parameters) for name, module in model.named_modules()}
+    plain, quant = dict(expected), set()
+    for name in expected:
+        if not name.endswith(".weight"):
+            continue
+        target, _, _ = route(name)
+        owner, leaf = target.rsplit(".", 1)
+        stem = leaf[: -len("weight")]  # "" for a linear, "w13_" / "w2_" for stacked experts
+        params = {p for p in own.get(owner, ()) if p.startswith(stem)} - {f"{stem}bias", "bias"}
+        if not params or params == {leaf}:
+            continue  # an unquantised module
+        module = name[: -len(".weight")]
+        if leaf not in params:
+            del plain[name]  # the method stores the weight under other names
+        quant.update(f"{module}.{p[len(stem):]}" for p in params - {leaf})
+    return plain, quant
+
+
+def check_dtype(name: str, weight: torch.Tensor, target: str, param: torch.Tensor) -> None:
+    """Refuse a quantised tensor for a plain parameter, or a plain float one for a quantised parameter.
+
+    vLLM's loaders copy with a cast, so either way the load would succeed and
+    serve garbage (FP8 codes read as values, or float weights cast to FP8 with
+    no scale).
+    """
+    if weight.dtype == param.dtype or (weight.dtype in PLAIN_FLOATS and param.dtype in PLAIN_FLOATS):
+        return
+    raise ValueError(f"checkpoint tensor {name} is {weight.dtype} but vLLM parameter {target} is {param.dtype} "
+                     "(does config.json's quantization_config match the checkpoint and its ignored modules?)")
+
+
 def load_checked(model: nn.Module, config: HySparseBaseConfig, stacks: StackTable,
                  weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
     """Strict loading: an unknown, missing, mis-shaped or non-finite tensor is a one-line error naming it.
 
-    Under pipeline parallelism every stage checks the whole checkpoint and loads its own layers.
+    Quantised checkpoints: each linear's quant method (vLLM's `quant_config`)
+    decides which extra tensors its checkpoint modules carry (see
+    `quantised_layout`); they are routed like the weight, with the shard id of
+    a fused parameter, through the parameter's own `weight_loader`.
+    Under pipeline parallelism a stage loads its own layers; another stage's
+    tensors are checked by name and shape where the plain layout knows them,
+    and fully (quant tensors, completeness) on the stage that holds them.
     """
-    expected = expected_tensors(config)
+    route = Route(model, config, stacks)
+    plain, quant = quantised_layout(model, route, expected_tensors(config))
     params = dict(model.named_parameters())
-    experts = expert_mapping(model, config)
     seen: set[str] = set()
     for name, weight in readable(config, weights):
-        check_tensor(expected, name, tuple(weight.shape))
+        target, shard, expert = route(name)
+        elsewhere = is_pp_missing_parameter(target, model)
+        if name not in quant and not (elsewhere and name not in plain):
+            check_not_quantised(plain, name)
+            check_tensor(plain, name, tuple(weight.shape))
         check_finite(name, weight)
         seen.add(name)
-        m = EXPERT_TENSOR.fullmatch(name)
-        if m is not None:
-            # One expert's gate / up / down: a slice of the layer's stacked w13 or w2.
-            param_part, expert, shard = experts[m.group(2)]
-            target = f"{m.group(1)}{param_part}weight"
-            if is_pp_missing_parameter(target, model):  # another pipeline stage's layer: checked, not loaded
-                continue
-            param = params[target]
-            param.weight_loader(param, weight, target, shard_id=shard, expert_id=expert)
-            continue
-        target, shard = vllm_param_name(config, stacks, name)
-        if is_pp_missing_parameter(target, model):
+        if elsewhere:
             continue
         param = params[target]
-        loader = getattr(param, "weight_loader", default_weight_loader)
-        if shard is None:
+        check_dtype(name, weight, target, param)
+        load_one(name, weight, target, param, shard, expert)
+    here = {n for n in [*plain, *quant] if not is_pp_missing_parameter(route(n)[0], model)}
+    check_complete(dict.fromkeys(here), seen)
+    return set(params)
+
+
+def check_not_quantised(plain: dict[str, tuple[int, ...]], name: str) -> None:
+    """A quant tensor (`weight_scale`, ...) of a module that runs unquantised: one line saying so."""
+    module, leaf = name.rsplit(".", 1)
+    if name not in plain and leaf not in ("weight", "bias") and f"{module}.weight" in plain:
+        raise ValueError(f"checkpoint has unexpected tensor {name}: module {module} is not quantised by this model's "
+                         "quantization config (config.json has no quantization_config, or it ignores the module)")
+
+
+def load_one(name: str, weight: torch.Tensor, target: str, param: torch.Tensor, shard, expert) -> None:
+    """One tensor through its parameter's `weight_loader`; a loader's refusal becomes one line naming both."""
+    loader = getattr(param, "weight_loader", default_weight_loader)
+    try:
+        if expert is not None:
+            loader(param, weight, target, shard_id=shard, expert_id=expert)
+        elif shard is None:
             loader(param, weight)
         else:
             loader(param, weight, shard)
-    check_complete(expected, seen)
-    return set(params)
+    except (AssertionError, RuntimeError, ValueError, IndexError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"checkpoint tensor {name} (shape {tuple(weight.shape)}, {weight.dtype}) does not fit "
+                         f"vLLM parameter {target} (shape {tuple(param.shape)}): {reason}") from None
 
 
 def readable(config: HySparseBaseConfig, weights: Iterable[tuple[str, torch.Tensor]]

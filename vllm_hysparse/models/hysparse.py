@@ -21,6 +21,7 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import MergedColumnParallelLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.models.interfaces import SupportsPP
@@ -57,9 +58,9 @@ from vllm_hysparse.models.common import (
 STACKS = {
     "full": QKV_STACK,
     "sparse": {
-        "q_proj": ("model.layers.{i}.self_attn.qkv_proj", "q"),
-        "swa_k_proj": ("model.layers.{i}.self_attn.qkv_proj", "k"),
-        "swa_v_proj": ("model.layers.{i}.self_attn.qkv_proj", "v"),
+        "q_proj": ("model.layers.{i}.self_attn.q_swa_kv_proj", "q"),
+        "swa_k_proj": ("model.layers.{i}.self_attn.q_swa_kv_proj", "k"),
+        "swa_v_proj": ("model.layers.{i}.self_attn.q_swa_kv_proj", "v"),
         "sparse_gate_proj": ("model.layers.{i}.self_attn.gate_proj", 0),
         "swa_gate_proj": ("model.layers.{i}.self_attn.gate_proj", 1),
     },
@@ -74,10 +75,11 @@ def attn_layer_name(layer_idx: int) -> str:
 class HySparseFullAttention(nn.Module):
     """Causal attention over the layer's own cache; emits oracle block ids for its sparse followers."""
 
-    def __init__(self, config: HySparseConfig, cache_config, index_buffer: torch.Tensor | None, prefix: str):
+    def __init__(self, config: HySparseConfig, cache_config, index_buffer: torch.Tensor | None, prefix: str,
+                 quant_config: QuantizationConfig | None = None):
         super().__init__()
         self.heads = HeadSplit(config)
-        self.qkv_proj, self.o_proj = qkv_and_out(config, prefix)
+        self.qkv_proj, self.o_proj = qkv_and_out(config, prefix, quant_config)
         self.q_norm, self.k_norm = maybe_head_norm(config), maybe_head_norm(config)
         self.rotary_emb = get_rope(config.head_dim, max_position=config.max_position_embeddings,
                                    rope_parameters=config.rope_parameters)
@@ -109,14 +111,15 @@ class HySparseSparseAttention(nn.Module):
     """Gated sum of block-sparse attention over the oracle layer's cache and a sink SWA branch."""
 
     def __init__(self, config: HySparseConfig, cache_config, index_buffer: torch.Tensor, oracle_layer: int,
-                 prefix: str):
+                 prefix: str, quant_config: QuantizationConfig | None = None):
         super().__init__()
         self.heads = h = HeadSplit(config)
-        # q_proj, swa_k_proj and swa_v_proj are fused like a full layer's q/k/v.
-        self.qkv_proj, self.o_proj = qkv_and_out(config, prefix)
+        # q_proj, swa_k_proj and swa_v_proj are fused like a full layer's q/k/v. Not named
+        # `qkv_proj`: vLLM maps a fused module to its shards by name alone (packed_modules_mapping).
+        self.q_swa_kv_proj, self.o_proj = qkv_and_out(config, prefix, quant_config, qkv_name="q_swa_kv_proj")
         width = gate_width(config)
         self.gate_proj = MergedColumnParallelLinear(config.hidden_size, [width] * 2, bias=False,
-                                                    prefix=f"{prefix}.gate_proj")
+                                                    quant_config=quant_config, prefix=f"{prefix}.gate_proj")
         self.gate_width = width // h.tp
         self.q_norm, self.swa_k_norm = maybe_head_norm(config), maybe_head_norm(config)
         self.sparse_sinks, self.swa_sinks = make_sinks(config, h), make_sinks(config, h)
@@ -135,7 +138,7 @@ class HySparseSparseAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         h = self.heads
-        qkv, _ = self.qkv_proj(hidden_states)
+        qkv, _ = self.q_swa_kv_proj(hidden_states)
         q, k, v = h.split_qkv(qkv)
         q, k = head_norm(q, self.q_norm, h.head_dim), head_norm(k, self.swa_k_norm, h.head_dim)
         q, k = self.rotary_emb(positions, q, k)
@@ -149,14 +152,16 @@ class HySparseSparseAttention(nn.Module):
 
 
 def make_decoder_layer(config: HySparseConfig, cache_config, index_buffers: dict[int, torch.Tensor],
-                       prefix: str) -> PreNormDecoderLayer:
+                       prefix: str, quant_config: QuantizationConfig | None = None) -> PreNormDecoderLayer:
     idx = extract_layer_index(prefix)
     if layer_kind(config, idx) == "full":
-        attn = HySparseFullAttention(config, cache_config, index_buffers.get(idx), f"{prefix}.self_attn")
+        attn = HySparseFullAttention(config, cache_config, index_buffers.get(idx), f"{prefix}.self_attn",
+                                     quant_config)
     else:
         oracle = config.oracle_layer[idx]
-        attn = HySparseSparseAttention(config, cache_config, index_buffers[oracle], oracle, f"{prefix}.self_attn")
-    return PreNormDecoderLayer(config, attn, prefix)
+        attn = HySparseSparseAttention(config, cache_config, index_buffers[oracle], oracle, f"{prefix}.self_attn",
+                                       quant_config)
+    return PreNormDecoderLayer(config, attn, prefix, quant_config)
 
 
 @support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": -1, "intermediate_tensors": 0,
@@ -178,13 +183,15 @@ class HySparseModel(nn.Module):
             self.register_buffer(f"index_buffer_{f}", torch.full(
                 (max_tokens, heads.num_kv_heads, config.sparse_topk_blocks), -1, dtype=torch.int32), persistent=False)
             self.index_buffers[f] = getattr(self, f"index_buffer_{f}")
-        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size,
+        quant_config = vllm_config.quant_config
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, quant_config=quant_config,
                                                     prefix=f"{prefix}.embed_tokens")
                              if pp.is_first_rank or (config.tie_word_embeddings and pp.is_last_rank)
                              else PPMissingLayer())
         self.start_layer, self.end_layer, self.layers = make_layers(
             config.num_hidden_layers,
-            lambda prefix: make_decoder_layer(config, vllm_config.cache_config, self.index_buffers, prefix),
+            lambda prefix: make_decoder_layer(config, vllm_config.cache_config, self.index_buffers, prefix,
+                                              quant_config),
             prefix=f"{prefix}.layers")
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps) if pp.is_last_rank else PPMissingLayer()
         self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
@@ -209,6 +216,14 @@ class HySparseModel(nn.Module):
 
 
 class HySparseForCausalLM(nn.Module, SupportsPP):
+    # Fused vLLM module -> the checkpoint modules it stacks (quantization ignore lists, LoRA).
+    packed_modules_mapping = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "q_swa_kv_proj": ["q_proj", "swa_k_proj", "swa_v_proj"],
+        "gate_proj": ["sparse_gate_proj", "swa_gate_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         config = vllm_config.model_config.hf_config
@@ -218,7 +233,7 @@ class HySparseForCausalLM(nn.Module, SupportsPP):
         self.model = HySparseModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
         self.lm_head = PPMissingLayer()
         if get_pp_group().is_last_rank:
-            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size,
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config=vllm_config.quant_config,
                                           prefix=maybe_prefix(prefix, "lm_head"))
             if config.tie_word_embeddings:
                 self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)

@@ -32,6 +32,7 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.models.interfaces import SupportsPP
@@ -101,14 +102,15 @@ def _rotate(rope, positions, q, k=None):
 class HySparse2Bridge(nn.Module):
     """K/V of cross full layer `c` from the residual stream entering its bridge source; owns its cache."""
 
-    def __init__(self, config: HySparse2Config, cache_config, cross_layer: int, prefix: str):
+    def __init__(self, config: HySparse2Config, cache_config, cross_layer: int, prefix: str,
+                 quant_config: QuantizationConfig | None = None):
         super().__init__()
         self.heads = h = HeadSplit(config)
         g = config.num_key_value_heads
         self.bridge_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.kv_proj = MergedColumnParallelLinear(config.hidden_size, [g * config.head_dim, g * config.v_head_dim],
-                                                  bias=config.attention_bias, prefix=f"{prefix}.kv_proj",
-                                                  **h.kv_parallel())
+                                                  bias=config.attention_bias, quant_config=quant_config,
+                                                  prefix=f"{prefix}.kv_proj", **h.kv_parallel())
         self.k_norm = maybe_head_norm(config)
         self.rotary_emb = _rope(config, sliding=False)
         self.layer_name = bridge_layer_name(cross_layer)
@@ -138,17 +140,18 @@ def _rotate_alone(rope, positions, x):
 class HySparse2SelfAttention(nn.Module):
     """Self-decoder layer: full (NoPE unless `full_rope`) or sliding (partial RoPE, sink, gate)."""
 
-    def __init__(self, config: HySparse2Config, cache_config, sliding: bool, prefix: str):
+    def __init__(self, config: HySparse2Config, cache_config, sliding: bool, prefix: str,
+                 quant_config: QuantizationConfig | None = None):
         super().__init__()
         self.heads = h = HeadSplit(config)
         self.sliding = sliding
-        self.qkv_proj, self.o_proj = qkv_and_out(config, prefix)
+        self.qkv_proj, self.o_proj = qkv_and_out(config, prefix, quant_config)
         self.q_norm, self.k_norm = maybe_head_norm(config), maybe_head_norm(config)
         self.rotary_emb = _rope(config, sliding)
         extra = plain_full_attention(config)
         if sliding:
             self.gate_proj = ColumnParallelLinear(config.hidden_size, gate_width(config), bias=False,
-                                                  prefix=f"{prefix}.gate_proj")
+                                                  quant_config=quant_config, prefix=f"{prefix}.gate_proj")
             self.sinks = make_sinks(config, h)
             extra = window_attention(config, self.sinks)
         self.attn = Attention(h.num_heads, config.head_dim, config.head_dim**-0.5, num_kv_heads=h.num_kv_heads,
@@ -172,20 +175,21 @@ class HySparse2CrossAttention(nn.Module):
     """Cross-decoder layer: full (attends the bridged cache, selects tokens) or sparse (attends the selection)."""
 
     def __init__(self, config: HySparse2Config, cache_config, full: bool, cache_layer: int,
-                 index_buffer: torch.Tensor, prefix: str):
+                 index_buffer: torch.Tensor, prefix: str, quant_config: QuantizationConfig | None = None):
         super().__init__()
         self.heads = h = HeadSplit(config)
         self.full = full
         self.q_proj = ColumnParallelLinear(config.hidden_size, config.num_attention_heads * config.head_dim,
-                                           bias=config.attention_bias, prefix=f"{prefix}.q_proj")
-        self.o_proj = out_proj(config, prefix)
+                                           bias=config.attention_bias, quant_config=quant_config,
+                                           prefix=f"{prefix}.q_proj")
+        self.o_proj = out_proj(config, prefix, quant_config)
         self.q_norm = maybe_head_norm(config)
         self.rotary_emb = _rope(config, sliding=False)
         selection = TokenSelection(config.sparse_topk_tokens, config.recent_window, config.score_head_reduce)
         extra = dict(hysparse_role="token_oracle", index_buffer=index_buffer, selection=selection)
         if not full:
             self.gate_proj = ColumnParallelLinear(config.hidden_size, gate_width(config), bias=False,
-                                                  prefix=f"{prefix}.gate_proj")
+                                                  quant_config=quant_config, prefix=f"{prefix}.gate_proj")
             self.sinks = make_sinks(config, h)
             extra.update(hysparse_role="token_sparse", sinks=self.sinks)
         # The token oracle runs its whole KV group's query heads (see `HeadSplit.group_query`).
@@ -211,8 +215,9 @@ class HySparse2CrossAttention(nn.Module):
 
 
 class HySparse2DecoderLayer(PreNormDecoderLayer):
-    def __init__(self, config: HySparse2Config, attn: nn.Module, bridges: list[HySparse2Bridge], prefix: str):
-        super().__init__(config, attn, prefix)
+    def __init__(self, config: HySparse2Config, attn: nn.Module, bridges: list[HySparse2Bridge], prefix: str,
+                 quant_config: QuantizationConfig | None = None):
+        super().__init__(config, attn, prefix, quant_config)
         self.layer_idx = extract_layer_index(prefix)
         # Bridges whose source is this layer; a plain list: they are registered under `model.bridges`.
         self.bridges = bridges
@@ -300,15 +305,16 @@ class HySparse2Model(nn.Module):
                 self.register_buffer(f"index_buffer_{c}", torch.full((max_tokens, heads.num_kv_heads, width), -1,
                                                                      dtype=torch.int32), persistent=False)
                 index_buffers[c] = getattr(self, f"index_buffer_{c}")
-        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size,
+        self.quant_config = quant_config = vllm_config.quant_config
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, quant_config=quant_config,
                                                     prefix=f"{prefix}.embed_tokens")
                              if pp.is_first_rank or (config.tie_word_embeddings and pp.is_last_rank)
                              else PPMissingLayer())
         # Bridges own caches, so they are built before any cross-decoder Attention: vLLM's fast
         # prefill needs every Attention after the last cache owner to share KV.
         self.bridges = nn.ModuleDict({
-            str(c): HySparse2Bridge(config, cache_config, c, prefix=f"{prefix}.bridges.{c}") if c in here
-            else PPMissingLayer() for c in config.cross_full_layers})
+            str(c): HySparse2Bridge(config, cache_config, c, prefix=f"{prefix}.bridges.{c}", quant_config=quant_config)
+            if c in here else PPMissingLayer() for c in config.cross_full_layers})
         sources = config.bridge_source
         # Bridge sources this stage receives (bridge here, source earlier), and sends (bridge later).
         self.received = sorted({s for c, s in sources.items() if c >= start and s < start})
@@ -348,15 +354,16 @@ class HySparse2Model(nn.Module):
 
     def _make_layer(self, config, cache_config, i, index_buffers, here, prefix) -> HySparse2DecoderLayer:
         kind = layer_kind(config, i)
+        quant_config = self.quant_config
         if kind in ("full", "sliding"):
-            attn = HySparse2SelfAttention(config, cache_config, kind == "sliding", f"{prefix}.self_attn")
+            attn = HySparse2SelfAttention(config, cache_config, kind == "sliding", f"{prefix}.self_attn", quant_config)
         else:
             cache_layer = i if kind == "cross_full" else config.oracle_layer[i]
             attn = HySparse2CrossAttention(config, cache_config, kind == "cross_full", cache_layer,
-                                           index_buffers[cache_layer], f"{prefix}.self_attn")
+                                           index_buffers[cache_layer], f"{prefix}.self_attn", self.quant_config)
         # Bridges of this stage whose source is this layer; the others get their source carried over.
         bridges = [self.bridges[str(c)] for c, src in config.bridge_source.items() if src == i and c in here]
-        return HySparse2DecoderLayer(config, attn, bridges, prefix)
+        return HySparse2DecoderLayer(config, attn, bridges, prefix, self.quant_config)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -445,7 +452,32 @@ def _cross_decoder_batch(num_tokens: int):
         context.batch_descriptor = saved
 
 
+def map_bridge_names(quant_config: QuantizationConfig | None, config: HySparse2Config) -> None:
+    """Rename a cross full layer's `k_proj` / `v_proj` in the quantization config's module lists to its bridge's.
+
+    Their weights live in `model.bridges.{c}.kv_proj`, so vLLM asks whether
+    `model.bridges.{c}.k_proj` is skipped; the checkpoint's config names
+    `model.layers.{c}.self_attn.k_proj`. Which layers are bridged depends on the
+    config, so this cannot be a class-level `hf_to_vllm_mapper`.
+    """
+    if quant_config is None:
+        return
+    from vllm.model_executor.models.utils import WeightsMapper
+
+    renames = {f"model.layers.{c}.self_attn.{proj}": f"model.bridges.{c}.{proj}"
+               for c in config.cross_full_layers for proj in ("k_proj", "v_proj")}
+    quant_config.apply_vllm_mapper(WeightsMapper(orig_to_new_prefix=renames))
+
+
 class HySparse2ForCausalLM(nn.Module, SupportsPP):
+    # Fused vLLM module -> the checkpoint modules it stacks (quantization ignore lists, LoRA).
+    # A bridge's kv_proj stacks its cross full layer's k_proj and v_proj (see `map_bridge_names`).
+    packed_modules_mapping = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "kv_proj": ["k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         config = vllm_config.model_config.hf_config
@@ -453,10 +485,11 @@ class HySparse2ForCausalLM(nn.Module, SupportsPP):
             raise ValueError(
                 f"HySparse2ForCausalLM needs a 'hysparse2' config (got model_type {config.model_type!r})")
         self.config = config
+        map_bridge_names(vllm_config.quant_config, config)
         self.model = HySparse2Model(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
         self.lm_head = PPMissingLayer()
         if get_pp_group().is_last_rank:
-            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size,
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config=vllm_config.quant_config,
                                           prefix=maybe_prefix(prefix, "lm_head"))
             if config.tie_word_embeddings:
                 self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
