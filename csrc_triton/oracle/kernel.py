@@ -17,7 +17,7 @@ import triton.language as tl
 from csrc_triton.oracle.decode import oracle_decode_fwd
 from csrc_triton.oracle.tile import attend_tile, dot_in_fp32, find_request, key_tile
 from csrc_triton.oracle.topk import select_topk
-from csrc_triton.paged_args import check_paged_batch
+from csrc_triton.paged_args import check_paged_batch, kv_scaled
 
 LOG2E = 1.4426950408889634
 # vLLM's rule for its split-KV decode: use it while requests x KV groups leave the GPU under-filled
@@ -273,20 +273,23 @@ def oracle_fwd(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, *, s
     return out, indices, scores
 
 
+@kv_scaled
 def oracle_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, *, scale, sparse_block_size, topk,
                      out=None, return_block_scores=False):
     """Causal paged attention of a HySparse full layer and its oracle block indices (SPEC §3.1).
 
     Args:
         q (torch.Tensor): `[T, H, D]`, any strides; fp16, bf16 or fp32.
-        k_cache (torch.Tensor): `[num_pages, G, page_size, D]`, any strides, q's dtype.
-        v_cache (torch.Tensor): `[num_pages, G, page_size, Dv]`, any strides, q's dtype (Dv may differ from D).
+        k_cache (torch.Tensor): `[num_pages, G, page_size, D]`, any strides, q's dtype or float8_e4m3fn.
+        v_cache (torch.Tensor): `[num_pages, G, page_size, Dv]`, any strides, k_cache's dtype (Dv may differ from D).
         block_table (torch.Tensor): `[R, max_pages]` int32; position p of request r is in page
             `block_table[r, p // page_size]`, slot `p % page_size`.
         query_start_loc (torch.Tensor): `[R + 1]` int32; request r owns rows
             `query_start_loc[r]:query_start_loc[r + 1]`, the last of its `seq_lens[r]` positions.
         seq_lens (torch.Tensor): `[R]` int32.
         scale (float): logit scale.
+        k_scale, v_scale (float): scales of an FP8 KV cache (float8_e4m3fn holding K / k_scale, V / v_scale;
+            `paged_args.kv_scaled`). Default: 1.0.
         sparse_block_size (int): positions per oracle block, a multiple of 16.
         topk (int): blocks selected per query and KV group.
         out (torch.Tensor, Optional): `[T, H, Dv]` in q's dtype; every row is written. Default: `None`.
