@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from csrc_triton.kv_load import widen_fp8
 from csrc_triton.paged_args import check_paged_batch, kv_scaled
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -75,8 +76,8 @@ def attend_paged_tile(
         b_kt = b_kt.to(tl.float32)
         b_v = b_v.to(tl.float32)
     else:
-        b_kt = b_kt.to(b_q.dtype)
-        b_v = b_v.to(b_q.dtype)
+        b_kt = widen_fp8(b_kt).to(b_q.dtype)
+        b_v = widen_fp8(b_v).to(b_q.dtype)
     # [BLOCK_H, BLOCK_N]
     b_s = tl.dot(b_q, b_kt, input_precision="ieee") * qk_scale
     b_s = tl.where(m_n[None, :], b_s, float("-inf"))
