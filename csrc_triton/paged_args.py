@@ -20,7 +20,8 @@ def check_paged_batch(q, k_cache, v_cache, block_table, query_start_loc, seq_len
     Args:
         q: `[T, H, D]` fp16 / bf16 / fp32 (D: the q/k head dim).
         k_cache: `[num_pages, G, page_size, D]`, v_cache: `[num_pages, G, page_size, Dv]`, in q's dtype
-            or both float8_e4m3fn (an FP8 KV cache, see `kv_scaled`), any strides. Dv (the value head dim, SPEC §2.6) may differ from D; outputs are Dv wide.
+            or both float8_e4m3fn (an FP8 KV cache, see `kv_scaled`), any strides. Dv (the value head dim,
+            SPEC §2.6) may differ from D; outputs are Dv wide.
         block_table: `[R, max_pages]` int32 with contiguous rows.
         query_start_loc: `[R + 1]` int32; seq_lens: `[R]` int32.
         out: `[T, H, Dv]` in q's dtype, or None to allocate it.

@@ -164,7 +164,8 @@ def test_error_bound_against_the_float_cache(path_):
     exact = bs.run(fn, batch, q, ids, case, sinks)
     finite = batch.k_cache.nan_to_num(0.0).abs().amax(), batch.v_cache.nan_to_num(0.0).abs().amax()
     k_scale, v_scale = (float(m) / FP8_MAX for m in finite)
-    quant = dataclasses.replace(batch, k_cache=quantise(batch.k_cache, k_scale), v_cache=quantise(batch.v_cache, v_scale))
+    quant = dataclasses.replace(batch, k_cache=quantise(batch.k_cache, k_scale),
+                                v_cache=quantise(batch.v_cache, v_scale))
     got = bs.run(scaled(fn, k_scale, v_scale), quant, q, ids, case, sinks, out=nan_out(batch, q))
     err = (got - exact).norm() / exact.norm()
     assert 0 < err < 0.05, f"relative error {err:.4f}"
