@@ -1,7 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Argument checks every paged-attention launcher shares (no Triton import: cheap and testable on CPU)."""
+"""Argument checks every paged-attention launcher shares (no Triton import: cheap and testable on CPU).
+
+Also the FP8 KV-cache contract of every entry point (`kv_scaled`).
+"""
+
+import functools
 
 import torch
+
+# vLLM's `kv_cache_dtype="fp8"` / `"fp8_e4m3"`: e4m3 values `x / scale`, one float scale per layer for K and one
+# for V (vLLM's `Attention._k_scale` / `_v_scale`, 1.0 unless a checkpoint gives them).
+FP8_KV_DTYPE = torch.float8_e4m3fn
 
 
 def check_paged_batch(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, out,
@@ -10,8 +19,9 @@ def check_paged_batch(q, k_cache, v_cache, block_table, query_start_loc, seq_len
 
     Args:
         q: `[T, H, D]` fp16 / bf16 / fp32 (D: the q/k head dim).
-        k_cache: `[num_pages, G, page_size, D]`, v_cache: `[num_pages, G, page_size, Dv]`, in q's dtype,
-            any strides. Dv (the value head dim, SPEC §2.6) may differ from D; outputs are Dv wide.
+        k_cache: `[num_pages, G, page_size, D]`, v_cache: `[num_pages, G, page_size, Dv]`, in q's dtype
+            or both float8_e4m3fn (an FP8 KV cache, see `kv_scaled`), any strides. Dv (the value head dim,
+            SPEC §2.6) may differ from D; outputs are Dv wide.
         block_table: `[R, max_pages]` int32 with contiguous rows.
         query_start_loc: `[R + 1]` int32; seq_lens: `[R]` int32.
         out: `[T, H, Dv]` in q's dtype, or None to allocate it.
@@ -22,8 +32,8 @@ def check_paged_batch(q, k_cache, v_cache, block_table, query_start_loc, seq_len
     assert k_cache.dim() == 4 and v_cache.dim() == 4 and k_cache.shape[:3] == v_cache.shape[:3], \
         f"k_cache/v_cache: expected [num_pages, G, page_size, D] / [num_pages, G, page_size, Dv], got " \
         f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}"
-    assert k_cache.dtype == q.dtype and v_cache.dtype == q.dtype, \
-        f"k_cache/v_cache must have q's dtype {q.dtype} (got {k_cache.dtype} / {v_cache.dtype})"
+    assert k_cache.dtype == v_cache.dtype and k_cache.dtype in (q.dtype, FP8_KV_DTYPE), \
+        f"k_cache/v_cache must both have q's dtype {q.dtype} or {FP8_KV_DTYPE} (got {k_cache.dtype} / {v_cache.dtype})"
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[1]
     assert k_cache.shape[3] == head_dim, f"head dim: q has {head_dim}, the cache {k_cache.shape[3]}"
@@ -51,3 +61,25 @@ def check_paged_batch(q, k_cache, v_cache, block_table, query_start_loc, seq_len
     for name, x in tensors.items():
         assert x is None or x.device == q.device, f"{name} is on {x.device}, q on {q.device}"
     return out, sinks
+
+
+def kv_scaled(entry):
+    """Give a paged-attention entry point `k_scale` / `v_scale` keywords: the scales of an FP8 KV cache.
+
+    The cache holds `K / k_scale` and `V / v_scale` (float8_e4m3fn, or q's dtype with scales 1.0); the
+    result is attention over the dequantised K and V. The kernels load the stored values and widen them
+    (exact: e4m3 fits in fp16 / bf16 / fp32); the scales are applied where they cost least. Every logit
+    `scale * q . (k_scale * k)` is `(scale * k_scale) * q . k`, so `k_scale` joins the logit scale (and the
+    oracles' selections, which rank those logits, stay exact). The output is linear in V (softmax weights,
+    a sink only adds to their denominator), so `v_scale` multiplies the output once, in place.
+    `entry` returns `out` or a tuple whose first item is `out`.
+    """
+
+    @functools.wraps(entry)
+    def scaled(*args, scale, k_scale: float = 1.0, v_scale: float = 1.0, **kwargs):
+        result = entry(*args, scale=scale * k_scale, **kwargs)
+        if v_scale != 1.0:
+            (result[0] if isinstance(result, tuple) else result).mul_(v_scale)
+        return result
+
+    return scaled

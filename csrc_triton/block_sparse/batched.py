@@ -7,6 +7,7 @@ prefill run attends its own keys under the block mask (see `paged_batch`).
 
 import torch
 
+from csrc_triton.paged_args import kv_scaled
 from csrc_triton.paged_batch import BatchPlan, sparse_attention
 
 
@@ -29,6 +30,7 @@ def block_mask(blocks: torch.Tensor, pos: torch.Tensor, block_size: int, num_key
     return hit[..., j // block_size] & (j <= pos[:, None, None])
 
 
+@kv_scaled
 def block_sparse_attention_batched(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, block_indices, *,
                                    scale, sparse_block_size, sinks=None, out=None, plan: BatchPlan | None = None):
     """`block_sparse_attention` in batched PyTorch; `plan` (from `make_plan`) spares the host read of the batch."""

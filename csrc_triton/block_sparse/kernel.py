@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from csrc_triton.paged_args import check_paged_batch
+from csrc_triton.kv_load import widen_fp8
+from csrc_triton.paged_args import check_paged_batch, kv_scaled
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -75,8 +76,8 @@ def attend_paged_tile(
         b_kt = b_kt.to(tl.float32)
         b_v = b_v.to(tl.float32)
     else:
-        b_kt = b_kt.to(b_q.dtype)
-        b_v = b_v.to(b_q.dtype)
+        b_kt = widen_fp8(b_kt).to(b_q.dtype)
+        b_v = widen_fp8(b_v).to(b_q.dtype)
     # [BLOCK_H, BLOCK_N]
     b_s = tl.dot(b_q, b_kt, input_precision="ieee") * qk_scale
     b_s = tl.where(m_n[None, :], b_s, float("-inf"))
@@ -205,14 +206,15 @@ def launch_config(q, head_dim, heads_per_group, head_dim_v=None):
     return block_h, block_d, block_dv, block_n, dot_fp32, num_warps
 
 
+@kv_scaled
 def block_sparse_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, block_indices, *,
                            scale, sparse_block_size, sinks=None, out=None):
     """Attention of every query row over the keys of its selected blocks (SPEC §3.2 global branch).
 
     Args:
         q (torch.Tensor): `[T, H, D]`, any strides; fp16, bf16 or fp32.
-        k_cache (torch.Tensor): `[num_pages, G, page_size, D]`, any strides.
-        v_cache (torch.Tensor): `[num_pages, G, page_size, Dv]`, any strides (Dv may differ from D).
+        k_cache (torch.Tensor): `[num_pages, G, page_size, D]`, any strides; q's dtype or float8_e4m3fn.
+        v_cache (torch.Tensor): `[num_pages, G, page_size, Dv]`, any strides, k_cache's dtype (Dv may differ from D).
         block_table (torch.Tensor): `[R, max_pages]` int32; position p of request r is in page
             `block_table[r, p // page_size]`, slot `p % page_size`.
         query_start_loc (torch.Tensor): `[R + 1]` int32; request r owns rows
@@ -221,6 +223,8 @@ def block_sparse_attention(q, k_cache, v_cache, block_table, query_start_loc, se
         block_indices (torch.Tensor): `[T, G, K]` int32 block ids (positions
             `[b * sparse_block_size, (b + 1) * sparse_block_size)`), unique, -1 padded.
         scale (float): logit scale.
+        k_scale, v_scale (float): scales of an FP8 KV cache (float8_e4m3fn holding K / k_scale, V / v_scale;
+            `paged_args.kv_scaled`). Default: 1.0.
         sparse_block_size (int): positions per block.
         sinks (torch.Tensor, Optional): `[H]` sink logits (unscaled, no value). Default: `None`.
         out (torch.Tensor, Optional): `[T, H, Dv]` in q's dtype; every element is written. Default: `None`.

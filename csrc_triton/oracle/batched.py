@@ -8,7 +8,7 @@ so every key is scored once. Decode rows of all requests run together.
 import torch
 
 from csrc_triton.oracle.naive import top_blocks
-from csrc_triton.paged_args import check_paged_batch
+from csrc_triton.paged_args import check_paged_batch, kv_scaled
 from csrc_triton.paged_batch import BatchPlan, oracle_attention_rows, plan_or_make
 
 
@@ -34,6 +34,7 @@ def select_blocks(z, lse, limit, sparse_block_size: int, topk: int):
     return ids.view(b, r, g, topk)
 
 
+@kv_scaled
 def oracle_attention_batched(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, *, scale,
                              sparse_block_size, topk, out=None, plan: BatchPlan | None = None):
     """`oracle_attention` in batched PyTorch; `plan` (from `make_plan`) spares the host read of the batch layout.

@@ -17,7 +17,7 @@ import triton.language as tl
 from csrc_triton.oracle.decode import oracle_decode_fwd
 from csrc_triton.oracle.tile import attend_tile, dot_in_fp32, find_request, key_tile
 from csrc_triton.oracle.topk import select_topk
-from csrc_triton.paged_args import check_paged_batch
+from csrc_triton.paged_args import FP8_KV_DTYPE, check_paged_batch, kv_scaled
 
 LOG2E = 1.4426950408889634
 # vLLM's rule for its split-KV decode: use it while requests x KV groups leave the GPU under-filled
@@ -189,6 +189,12 @@ def oracle_prefill_fwd(q, k_cache, v_cache, block_table, query_start_loc, seq_le
     dot_fp32 = dot_in_fp32(q)
     # one config per head dim: 128 rows up to D = 128, 64 rows for D = 256 (registers and shared memory)
     block_m = 128 if widest <= 128 else 64
+    # 4 warps spill at 128 rows x D = 64 (sm_90 AOT check); tiny tiles of test head dims need no more than 4
+    num_warps = 8 if block_m * widest >= 128 * 64 else 4
+    if widest > 128 and k_cache.dtype == FP8_KV_DTYPE:
+        # e4m3 tiles (sm_90 AOT check): 64 rows spill at 3 heads per group; 32 rows build clean with 8 warps
+        # at Dv = 256 and with 4 at Dv = 128 (8 warps spill there)
+        block_m, num_warps = 32, 8 if block_dv > 128 else 4
     block_n = key_tile(sparse_block_size, 32 if (widest > 128 or dot_fp32) else 64)
     block_q = max(1, block_m // block_h)
     grid = (num_tokens // block_q + seq_lens.shape[0], num_kv_heads)
@@ -228,8 +234,7 @@ def oracle_prefill_fwd(q, k_cache, v_cache, block_table, query_start_loc, seq_le
         BLOCK_DV=block_dv,
         STORE_SCORES=store_scores,
         DOT_FP32=dot_fp32,
-        # 4 warps spill at 128 rows x D = 64 (sm_90 AOT check); tiny tiles of test head dims need no more than 4
-        num_warps=8 if block_m * widest >= 128 * 64 else 4,
+        num_warps=num_warps,
     )
 
 
@@ -273,20 +278,23 @@ def oracle_fwd(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, *, s
     return out, indices, scores
 
 
+@kv_scaled
 def oracle_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, *, scale, sparse_block_size, topk,
                      out=None, return_block_scores=False):
     """Causal paged attention of a HySparse full layer and its oracle block indices (SPEC §3.1).
 
     Args:
         q (torch.Tensor): `[T, H, D]`, any strides; fp16, bf16 or fp32.
-        k_cache (torch.Tensor): `[num_pages, G, page_size, D]`, any strides, q's dtype.
-        v_cache (torch.Tensor): `[num_pages, G, page_size, Dv]`, any strides, q's dtype (Dv may differ from D).
+        k_cache (torch.Tensor): `[num_pages, G, page_size, D]`, any strides, q's dtype or float8_e4m3fn.
+        v_cache (torch.Tensor): `[num_pages, G, page_size, Dv]`, any strides, k_cache's dtype (Dv may differ from D).
         block_table (torch.Tensor): `[R, max_pages]` int32; position p of request r is in page
             `block_table[r, p // page_size]`, slot `p % page_size`.
         query_start_loc (torch.Tensor): `[R + 1]` int32; request r owns rows
             `query_start_loc[r]:query_start_loc[r + 1]`, the last of its `seq_lens[r]` positions.
         seq_lens (torch.Tensor): `[R]` int32.
         scale (float): logit scale.
+        k_scale, v_scale (float): scales of an FP8 KV cache (float8_e4m3fn holding K / k_scale, V / v_scale;
+            `paged_args.kv_scaled`). Default: 1.0.
         sparse_block_size (int): positions per oracle block, a multiple of 16.
         topk (int): blocks selected per query and KV group.
         out (torch.Tensor, Optional): `[T, H, Dv]` in q's dtype; every row is written. Default: `None`.

@@ -9,7 +9,7 @@ scored once. Decode rows of all requests run together. The top-k is a
 
 import torch
 
-from csrc_triton.paged_args import check_paged_batch
+from csrc_triton.paged_args import check_paged_batch, kv_scaled
 from csrc_triton.paged_batch import BatchPlan, oracle_attention_rows, plan_or_make
 
 REDUCES = ("max", "sum")
@@ -63,6 +63,7 @@ def select_from_logits(z, lse, limit, topk_tokens: int, recent_window: int, redu
     return ids.view(b, r, g, -1)
 
 
+@kv_scaled
 def token_oracle_attention_batched(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, *, scale,
                                    topk_tokens, recent_window, score_head_reduce="max", out=None,
                                    plan: BatchPlan | None = None):

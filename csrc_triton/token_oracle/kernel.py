@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from csrc_triton.oracle.tile import dot_in_fp32, find_request
-from csrc_triton.paged_args import check_paged_batch
+from csrc_triton.paged_args import check_paged_batch, kv_scaled
 
 LOG2E = 1.4426950408889634
 # vLLM's rule for its split-KV decode: split while requests x KV groups leave the GPU under-filled
@@ -477,20 +477,23 @@ def token_oracle_fwd(q, k_cache, v_cache, block_table, query_start_loc, seq_lens
     return out, indices
 
 
+@kv_scaled
 def token_oracle_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, *, scale, topk_tokens,
                            recent_window, score_head_reduce="max", out=None, max_seq_len=None):
     """Causal paged attention of a HySparse2 cross full layer and its token selection S_t (SPEC §3.3).
 
     Args:
         q (torch.Tensor): `[T, H, D]`, any strides; fp16, bf16 or fp32.
-        k_cache (torch.Tensor): `[num_pages, G, page_size, D]`, any strides, q's dtype.
-        v_cache (torch.Tensor): `[num_pages, G, page_size, Dv]`, any strides, q's dtype (Dv may differ from D).
+        k_cache (torch.Tensor): `[num_pages, G, page_size, D]`, any strides, q's dtype or float8_e4m3fn.
+        v_cache (torch.Tensor): `[num_pages, G, page_size, Dv]`, any strides, k_cache's dtype (Dv may differ from D).
         block_table (torch.Tensor): `[R, max_pages]` int32; position p of request r is in page
             `block_table[r, p // page_size]`, slot `p % page_size`.
         query_start_loc (torch.Tensor): `[R + 1]` int32; request r owns rows
             `query_start_loc[r]:query_start_loc[r + 1]`, the last of its `seq_lens[r]` positions.
         seq_lens (torch.Tensor): `[R]` int32.
         scale (float): logit scale.
+        k_scale, v_scale (float): scales of an FP8 KV cache (float8_e4m3fn holding K / k_scale, V / v_scale;
+            `paged_args.kv_scaled`). Default: 1.0.
         topk_tokens (int): k_g, positions picked outside the window per query and KV group.
         recent_window (int): w, the window `[max(0, t - w + 1), t]` always kept.
         score_head_reduce (str): `"max"` or `"sum"` of the exact probabilities over a group's heads.

@@ -7,6 +7,7 @@ run attends its own keys under the token mask (see `paged_batch`).
 
 import torch
 
+from csrc_triton.paged_args import kv_scaled
 from csrc_triton.paged_batch import BatchPlan, sparse_attention
 
 
@@ -24,6 +25,7 @@ def token_mask(tokens: torch.Tensor, pos: torch.Tensor, num_keys: int) -> torch.
     return hit.scatter_(-1, slots, True)[..., :num_keys]
 
 
+@kv_scaled
 def token_sparse_attention_batched(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, token_indices, *,
                                    scale, sinks=None, out=None, plan: BatchPlan | None = None):
     """`token_sparse_attention` in batched PyTorch; `plan` (from `make_plan`) spares the host read of the batch."""

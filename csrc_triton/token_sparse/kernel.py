@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from csrc_triton.block_sparse.kernel import LOG2E, attend_paged_tile, find_request, launch_config
-from csrc_triton.paged_args import check_paged_batch
+from csrc_triton.paged_args import check_paged_batch, kv_scaled
 
 
 @triton.jit
@@ -108,14 +108,15 @@ def token_sparse_attn_fwd_kernel(
     tl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_hdv)
 
 
+@kv_scaled
 def token_sparse_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, token_indices, *,
                            scale, sinks=None, out=None):
     """One sink softmax of every query row over its selected key positions (SPEC §3.3 cross sparse layer).
 
     Args:
         q (torch.Tensor): `[T, H, D]`, any strides; fp16, bf16 or fp32.
-        k_cache (torch.Tensor): `[num_pages, G, page_size, D]`, any strides.
-        v_cache (torch.Tensor): `[num_pages, G, page_size, Dv]`, any strides (Dv may differ from D).
+        k_cache (torch.Tensor): `[num_pages, G, page_size, D]`, any strides; q's dtype or float8_e4m3fn.
+        v_cache (torch.Tensor): `[num_pages, G, page_size, Dv]`, any strides, k_cache's dtype (Dv may differ from D).
         block_table (torch.Tensor): `[R, max_pages]` int32; position p of request r is in page
             `block_table[r, p // page_size]`, slot `p % page_size`.
         query_start_loc (torch.Tensor): `[R + 1]` int32; request r owns rows
@@ -123,6 +124,8 @@ def token_sparse_attention(q, k_cache, v_cache, block_table, query_start_loc, se
         seq_lens (torch.Tensor): `[R]` int32.
         token_indices (torch.Tensor): `[T, G, S]` int32 key positions, unique, -1 padded at the end.
         scale (float): logit scale.
+        k_scale, v_scale (float): scales of an FP8 KV cache (float8_e4m3fn holding K / k_scale, V / v_scale;
+            `paged_args.kv_scaled`). Default: 1.0.
         sinks (torch.Tensor, Optional): `[H]` sink logits (unscaled, no value). Default: `None`.
         out (torch.Tensor, Optional): `[T, H, Dv]` in q's dtype; every element is written. Default: `None`.
 

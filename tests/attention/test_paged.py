@@ -4,7 +4,8 @@
 import torch
 
 from csrc_triton.paged_batch import gather_context, gather_request, gather_rows, make_plan
-from vllm_hysparse.attention.paged import split_kv_cache, write_kv
+from csrc_triton.paged_args import FP8_KV_DTYPE
+from vllm_hysparse.attention.paged import FP8_MAX, split_kv_cache, write_kv
 
 
 def test_write_kv_stores_every_valid_slot_and_skips_padding():
@@ -23,6 +24,35 @@ def test_write_kv_stores_every_valid_slot_and_skips_padding():
     for s in range(pages * page):
         if s not in written:
             assert key_cache[s // page, :, s % page].isnan().all(), s
+
+
+def test_write_kv_quantises_into_an_fp8_cache():
+    """vLLM allocates kv_cache_dtype="fp8" caches as uint8: viewed as e4m3, written as x / scale, saturated."""
+    gen = torch.Generator().manual_seed(2)
+    pages, groups, page, dim, dim_v = 5, 2, 4, 8, 16
+    kv = torch.full((pages, groups, page, dim + dim_v), 0x7F, dtype=torch.uint8)  # 0x7F: e4m3 NaN
+    key_cache, value_cache = split_kv_cache(kv, dim)
+    assert key_cache.dtype == value_cache.dtype == FP8_KV_DTYPE
+    assert value_cache.shape[-1] == dim_v and key_cache.data_ptr() == kv.data_ptr()
+    k_scale, v_scale = 0.05, 0.3
+    slots = torch.tensor([4, 7, -1, 19])
+    key = torch.randn(4, groups, dim, generator=gen) * 5
+    key[0, 0, 0] = 1e4  # past e4m3's range at this scale: saturates, no NaN / inf
+    value = torch.randn(4, groups, dim_v, generator=gen)
+    write_kv(key_cache, value_cache, key, value, slots, k_scale, v_scale)
+    for i, s in enumerate(slots.tolist()):
+        if s < 0:
+            continue
+        k = key_cache[s // page, :, s % page].float()
+        v = value_cache[s // page, :, s % page].float()
+        want_k = (key[i] / k_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_KV_DTYPE).float()
+        assert torch.equal(k, want_k) and torch.equal(v, (value[i] / v_scale).to(FP8_KV_DTYPE).float())
+        # e4m3 keeps 3 mantissa bits: within 2^-4 relative (plus the subnormal step) of the exact value
+        close = (k * k_scale - key[i]).abs() <= key[i].abs() / 16 + 2**-9 * k_scale
+        assert (close | (k.abs() == FP8_MAX)).all()
+    assert key_cache[1, 0, 0, 0].float() == FP8_MAX
+    # unwritten slots keep their bytes
+    assert key_cache[2, :, 0].float().isnan().all()
 
 
 def test_plan_and_gathers_match_loops():

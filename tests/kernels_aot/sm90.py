@@ -30,7 +30,7 @@ SM90_MAX_SHARED = 232448
 RESULTS: list[dict] = []
 
 _TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32",
-          torch.int64: "i64"}
+          torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv"}
 _USED_REGS = re.compile(r"Used (\d+) registers")
 _SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 

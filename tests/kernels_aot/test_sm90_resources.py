@@ -4,7 +4,7 @@
 Shapes: the GQA group size and selection sizes of each preset of the model
 that uses the kernel (`vllm_hysparse.tools.presets`), head dims 64 / 128 /
 256 and the papers' q/k 192 with v 128 (SPEC §2.6), 16-slot pages, bf16 and
-fp16. Each launcher runs on `meta` tensors and
+fp16, and bf16 queries over an FP8 (e4m3) KV cache (`kv_cache_dtype="fp8"`). Each launcher runs on `meta` tensors and
 its launches are built ahead of time (`sm90.py`), all at once in worker
 processes; a case fails on any spilled byte or on more shared memory than sm_90
 gives a block. The resource table is printed at the end of the run.
@@ -52,10 +52,12 @@ class Shape:
     topk_blocks: int = 0
     topk_tokens: int = 0  # HySparse2: sparse_topk_tokens, recent_window
     window: int = 0
+    kv: str = ""  # "fp8": an e4m3 KV cache; "": the cache in q's dtype
 
     def __str__(self):
         dv = f"v{self.head_dim_v}" if self.head_dim_v not in (0, self.head_dim) else ""
-        return f"{self.preset.replace('/', '-')}-hpg{self.heads_per_group}-d{self.head_dim}{dv}-{self.dtype}"
+        kv = f"-{self.kv}kv" if self.kv else ""
+        return f"{self.preset.replace('/', '-')}-hpg{self.heads_per_group}-d{self.head_dim}{dv}-{self.dtype}{kv}"
 
 
 def preset_shapes(model: str, dtypes=tuple(DTYPES)) -> list[Shape]:
@@ -92,7 +94,8 @@ def paged_batch(shape: Shape, num_reqs: int, num_tokens: int, max_keys: int):
     dv = shape.head_dim_v or d
     max_pages = max_keys // PAGE_SIZE
     q = torch.empty(num_tokens, h, d, dtype=dtype, **meta)
-    kv = torch.empty(num_reqs * max_pages, g, PAGE_SIZE, d + dv, dtype=dtype, **meta)
+    kv_dtype = torch.float8_e4m3fn if shape.kv == "fp8" else dtype
+    kv = torch.empty(num_reqs * max_pages, g, PAGE_SIZE, d + dv, dtype=kv_dtype, **meta)
     block_table = torch.empty(num_reqs, max_pages, dtype=torch.int32, **meta)
     query_start_loc = torch.empty(num_reqs + 1, dtype=torch.int32, **meta)
     seq_lens = torch.empty(num_reqs, dtype=torch.int32, **meta)
@@ -163,6 +166,12 @@ KINDS = {
 }
 CASES = [pytest.param(kind, shape, id=f"{kind}-{shape}") for kind, (_, _, model, dtypes) in KINDS.items()
          for shape in preset_shapes(model, dtypes)]
+# An FP8 KV cache changes only the K/V loads (e4m3, widened to bf16): every kernel family at bf16, prefill and
+# the 16-split decode.
+FP8_KINDS = ("oracle-prefill", "oracle-decode", "block_sparse", "token_oracle-prefill", "token_oracle-decode",
+             "token_sparse")
+CASES += [pytest.param(kind, shape, id=f"{kind}-{shape}") for kind in FP8_KINDS
+          for shape in (dataclasses.replace(s, kv="fp8") for s in preset_shapes(KINDS[kind][2], ("bf16",)))]
 
 _CONFIG_KEYS = ("BLOCK_Q", "BLOCK_M", "BLOCK_H", "BLOCK_N", "BLOCK_D", "BLOCK_DV", "NUM_SPLITS")
 

@@ -469,6 +469,9 @@ def test_dry_run_kv_bytes_with_separate_v_head_dim(tmp_path, capsys):
     # the 128-token context a quarter of a full-length cache each.
     kv = next(line for line in out.splitlines() if line.startswith("KV cache"))
     assert f"{6 * 2560:,} -> {int(2560 * (3 + 3 * 32 / 128)):,} bytes/token" in kv, kv
+    # an FP8 KV cache: 1 byte per element, 4 x (192 + 128) = 1,280 bytes per layer and token
+    kv8 = next(line for line in out.splitlines() if line.startswith("KV cache (kv_cache_dtype=fp8)"))
+    assert f"{6 * 1280:,} -> {int(1280 * (3 + 3 * 32 / 128)):,} bytes/token" in kv8, kv8
     conv = cv.plan_conversion(src, "hysparse")
     shapes = expected_tensors(conv.config)
     assert shapes["model.layers.1.self_attn.swa_v_proj.weight"] == (4 * 128, 64)

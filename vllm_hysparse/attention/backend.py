@@ -30,6 +30,12 @@ keys). The forward reads no host value: what needs one (which rows are decode
 rows, the prefill runs) is computed once per step by the metadata builder.
 Both paths run inside vLLM's opaque attention op, so `torch.compile` never
 traces them.
+
+`kv_cache_dtype="fp8"` (= `"fp8_e4m3"`) stores K / k_scale and V / v_scale as
+float8_e4m3fn (vLLM's per-layer `_k_scale` / `_v_scale`, 1.0 unless a checkpoint
+gives them); every kernel path reads the e4m3 values and applies the scales
+(`csrc_triton.paged_args.kv_scaled`). A layer reading a shared cache uses the
+scales of the layer that owns (and wrote) it.
 """
 
 import importlib
@@ -39,6 +45,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+from vllm.forward_context import get_forward_context
+from vllm.utils.torch_utils import is_quantized_kv_cache
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
@@ -49,6 +57,7 @@ from vllm.v1.attention.backend import (
     MultipleOf,
 )
 
+from csrc_triton.paged_args import FP8_KV_DTYPE
 from csrc_triton.paged_batch import BatchPlan, make_plan
 from vllm_hysparse.attention.paged import split_kv_cache, write_kv
 from vllm_hysparse.metrics import worker_stats
@@ -56,6 +65,8 @@ from vllm_hysparse.metrics import worker_stats
 BACKEND_NAME = "HYSPARSE"
 KERNELS_ENV = "VLLM_HYSPARSE_KERNELS"
 KERNEL_PATHS = ("triton", "torch")
+# vLLM's names of an e4m3 cache ("fp8" is "fp8_e4m3", vllm/utils/torch_utils.py); e5m2 is not supported.
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 
 
 def kernel_path(device: torch.device) -> str:
@@ -71,7 +82,7 @@ def kernel_path(device: torch.device) -> str:
 class HySparseAttentionBackend(AttentionBackend):
     forward_includes_kv_cache_update: bool = False
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
-    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto"]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", *FP8_KV_CACHE_DTYPES]
 
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
@@ -255,6 +266,9 @@ class HySparseAttentionImpl(AttentionImpl):
             raise ValueError(f"hysparse_role: must be one of {ROLES} (got {hysparse_role!r})")
         if alibi_slopes is not None or logits_soft_cap:
             raise ValueError("the HySparse backend supports no ALiBi or soft cap")
+        if is_quantized_kv_cache(kv_cache_dtype) and kv_cache_dtype not in FP8_KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: the HySparse backend stores {list(FP8_KV_CACHE_DTYPES)} (e4m3) "
+                             f"or 'auto' (got {kv_cache_dtype!r})")
         window = selection.window if isinstance(selection, WindowSelection) else None
         if sliding_window != window:
             # vLLM frees pages out of the window (SlidingWindowSpec): only the window role may have one
@@ -270,11 +284,22 @@ class HySparseAttentionImpl(AttentionImpl):
         self.selection = selection
         self.sinks = sinks
         self._kernel: tuple[str, Callable] | None = None  # (path, function), resolved on the first call
+        self._cache_owner = None  # the layer whose K/V scales this layer's cache holds, found on the first call
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
-        """key `[T, G, D]`, value `[T, G, Dv]` -> the layer's pages at `slot_mapping`."""
+        """key `[T, G, D]`, value `[T, G, Dv]` -> the layer's pages at `slot_mapping` (FP8: quantised by its scales)."""
         key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
-        write_kv(key_cache, value_cache, key, value, slot_mapping)
+        write_kv(key_cache, value_cache, key, value, slot_mapping, layer._k_scale_float, layer._v_scale_float)
+
+    def _kv_scales(self, layer) -> tuple[float, float]:
+        """(k_scale, v_scale) of the cache `layer` reads: the owner's, for a layer bound to another's cache.
+
+        Host floats vLLM keeps beside its scale tensors, fixed after weight loading: no device read.
+        """
+        if self._cache_owner is None:
+            target = self.kv_sharing_target_layer_name
+            self._cache_owner = layer if target is None else get_forward_context().no_compile_layers[target]
+        return self._cache_owner._k_scale_float, self._cache_owner._v_scale_float
 
     @property
     def kernels(self) -> str | None:
@@ -308,6 +333,8 @@ class HySparseAttentionImpl(AttentionImpl):
         if role.reads_window:
             args.append(window_positions(meta.plan.row_pos, n, self.num_kv_heads, self.selection.window))
         kwargs = role.kwargs(self)
+        if key_cache.dtype == FP8_KV_DTYPE:
+            kwargs["k_scale"], kwargs["v_scale"] = self._kv_scales(layer)
         if path == "torch":
             kwargs["plan"] = meta.plan
         elif role.bounded_by_seq_len:

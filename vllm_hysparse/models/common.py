@@ -22,6 +22,7 @@ from vllm.model_executor.models.qwen2 import Qwen2MLP
 from vllm.model_executor.models.qwen3_moe import Qwen3MoeMLP
 from vllm.model_executor.models.utils import extract_layer_index, is_pp_missing_parameter
 from vllm.platforms import current_platform
+from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
 
 from vllm_hysparse.configs.base import HySparseBaseConfig, kv_report, tensor_parallel_heads
 from vllm_hysparse.configs.tensors import (
@@ -323,7 +324,9 @@ def make_sinks(config: HySparseBaseConfig, heads: HeadSplit) -> nn.Parameter | N
 
 
 def log_kv_report(config: HySparseBaseConfig, vllm_config) -> None:
-    dtype_bytes = torch.tensor([], dtype=vllm_config.model_config.dtype).element_size()
+    # the cache's own dtype: 1 byte per element with kv_cache_dtype="fp8" (its scales are per layer, not per token)
+    cache_dtype = kv_cache_dtype_str_to_dtype(vllm_config.cache_config.cache_dtype, vllm_config.model_config)
+    dtype_bytes = torch.tensor([], dtype=cache_dtype).element_size()
     logger.info(kv_report(config, dtype_bytes, vllm_config.cache_config.kv_cache_memory_bytes,
                           vllm_config.parallel_config.tensor_parallel_size))
 

@@ -42,12 +42,30 @@ def check_parallel(vllm_config) -> None:
     check_pipeline_split(config, parallel.pipeline_parallel_size)
 
 
+def check_kv_cache_dtype(vllm_config) -> None:
+    """Refuse, at engine start, a quantised `kv_cache_dtype` our backend cannot store (it stores e4m3 FP8)."""
+    from vllm.utils.torch_utils import is_quantized_kv_cache
+
+    from vllm_hysparse.attention.backend import FP8_KV_CACHE_DTYPES
+
+    dtype = vllm_config.cache_config.cache_dtype
+    if is_quantized_kv_cache(dtype) and dtype not in FP8_KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype: HySparse models support 'auto' or {list(FP8_KV_CACHE_DTYPES)} "
+                         f"(FP8 e4m3), not {dtype!r}")
+
+
+def check_engine_config(vllm_config) -> None:
+    """Everything refused before any worker starts, each with one line."""
+    check_parallel(vllm_config)
+    check_kv_cache_dtype(vllm_config)
+
+
 class HySparseConfigUpdater:
-    """HySparse: the PIC worker; the pipeline split keeps blocks together."""
+    """HySparse: the PIC worker; parallel layout and KV cache dtype checked."""
 
     @staticmethod
     def verify_and_update_config(vllm_config) -> None:
-        check_parallel(vllm_config)
+        check_engine_config(vllm_config)
         select_pic_worker(vllm_config)
 
     @staticmethod
@@ -56,12 +74,12 @@ class HySparseConfigUpdater:
 
 
 class HySparse2ConfigUpdater:
-    """The PIC worker, vLLM's KV-sharing fast prefill (HySparse2's prefill early exit) on by default,
-    and a pipeline split that keeps cross-decoder blocks together."""
+    """The PIC worker, the parallel layout and KV cache dtype checked, and vLLM's KV-sharing fast prefill
+    (HySparse2's prefill early exit) on by default."""
 
     @staticmethod
     def verify_and_update_config(vllm_config) -> None:
-        check_parallel(vllm_config)
+        check_engine_config(vllm_config)
         select_pic_worker(vllm_config)
         cache_config = vllm_config.cache_config
         if early_exit_enabled() and not cache_config.kv_sharing_fast_prefill:

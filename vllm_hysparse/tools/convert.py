@@ -490,6 +490,7 @@ def describe(conv: Conversion) -> str:
     width = torch.empty((), dtype=dtype).element_size()
     ctx = cfg.max_position_embeddings
     kv = kv_bytes_per_token(cfg, width, ctx)
+    kv8 = kv_bytes_per_token(cfg, 1, ctx)
     opts = (f"block {cfg.sparse_block_size} x top-{cfg.sparse_topk_blocks}" if cfg.model_type == "hysparse" else
             f"{cfg.num_self_decoder_layers} self-decoder layers, top-{cfg.sparse_topk_tokens} tokens + "
             f"recent {cfg.recent_window}, bridges {cfg.bridge_sources}")
@@ -509,6 +510,9 @@ def describe(conv: Conversion) -> str:
         f"KV cache ({str(dtype).removeprefix('torch.')}) at {ctx:,} tokens: {kv['dense_bytes_per_token']:,.0f} "
         f"-> {kv['bytes_per_token']:,.0f} bytes/token ({kv['full_length_caches']} full-length + "
         f"{kv['window_caches']} window caches; {kv['dense_bytes_per_token'] / kv['bytes_per_token']:.1f}x less)",
+        # kv_cache_dtype="fp8": one byte per element (its two scales per layer cost nothing per token)
+        f"KV cache (kv_cache_dtype=fp8) at {ctx:,} tokens: {kv8['dense_bytes_per_token']:,.0f} "
+        f"-> {kv8['bytes_per_token']:,.0f} bytes/token",
     ]
     return "\n".join(lines)
 
