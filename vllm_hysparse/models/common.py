@@ -8,6 +8,7 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 from vllm.distributed import (
+    get_pp_group,
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_gather,
@@ -20,7 +21,8 @@ from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader, sharded_weight_loader
 from vllm.model_executor.models.qwen2 import Qwen2MLP
 from vllm.model_executor.models.qwen3_moe import Qwen3MoeMLP
-from vllm.model_executor.models.utils import extract_layer_index, is_pp_missing_parameter
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+from vllm.model_executor.models.utils import PPMissingLayer, extract_layer_index, is_pp_missing_parameter
 from vllm.platforms import current_platform
 from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
 
@@ -321,6 +323,14 @@ def make_sinks(config: HySparseBaseConfig, heads: HeadSplit) -> nn.Parameter | N
     sinks = nn.Parameter(torch.empty(heads.num_heads, dtype=torch.float32), requires_grad=False)
     sinks.weight_loader = sharded_weight_loader(0)
     return sinks
+
+
+def make_lm_head(config: HySparseBaseConfig, vllm_config, embed_tokens: nn.Module, prefix: str) -> nn.Module:
+    """The LM head on the last pipeline stage (tied to `embed_tokens` if the config says so), elsewhere a placeholder."""
+    if not get_pp_group().is_last_rank:
+        return PPMissingLayer()
+    head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config=vllm_config.quant_config, prefix=prefix)
+    return head.tie_weights(embed_tokens) if config.tie_word_embeddings else head
 
 
 def log_kv_report(config: HySparseBaseConfig, vllm_config) -> None:

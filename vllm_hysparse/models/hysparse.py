@@ -23,7 +23,7 @@ from vllm.model_executor.layers.linear import MergedColumnParallelLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.layers.rotary_embedding import get_rope
-from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from vllm.model_executor.models.interfaces import SupportsPP
 from vllm.model_executor.models.utils import (
     PPMissingLayer,
@@ -46,6 +46,7 @@ from vllm_hysparse.models.common import (
     head_norm,
     load_checked,
     log_kv_report,
+    make_lm_head,
     make_sinks,
     maybe_head_norm,
     plain_full_attention,
@@ -231,12 +232,7 @@ class HySparseForCausalLM(nn.Module, SupportsPP):
             raise ValueError(f"HySparseForCausalLM needs a 'hysparse' config (got model_type {config.model_type!r})")
         self.config = config
         self.model = HySparseModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
-        self.lm_head = PPMissingLayer()
-        if get_pp_group().is_last_rank:
-            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config=vllm_config.quant_config,
-                                          prefix=maybe_prefix(prefix, "lm_head"))
-            if config.tie_word_embeddings:
-                self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        self.lm_head = make_lm_head(config, vllm_config, self.model.embed_tokens, maybe_prefix(prefix, "lm_head"))
         self.logits_processor = LogitsProcessor(config.vocab_size)
         self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
         log_kv_report(config, vllm_config)
