@@ -69,6 +69,13 @@ KERNEL_PATHS = ("triton", "torch")
 FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 
 
+def check_kv_cache_dtype(dtype: str) -> None:
+    """Refuse a quantised `kv_cache_dtype` other than e4m3 FP8, the only quantised cache this backend stores."""
+    if is_quantized_kv_cache(dtype) and dtype not in FP8_KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype: HySparse models support 'auto' or {list(FP8_KV_CACHE_DTYPES)} "
+                         f"(FP8 e4m3), not {dtype!r}")
+
+
 def kernel_path(device: torch.device) -> str:
     """`triton` or `torch`: `VLLM_HYSPARSE_KERNELS` if set, else Triton on CUDA and PyTorch elsewhere."""
     choice = os.environ.get(KERNELS_ENV)
@@ -266,9 +273,7 @@ class HySparseAttentionImpl(AttentionImpl):
             raise ValueError(f"hysparse_role: must be one of {ROLES} (got {hysparse_role!r})")
         if alibi_slopes is not None or logits_soft_cap:
             raise ValueError("the HySparse backend supports no ALiBi or soft cap")
-        if is_quantized_kv_cache(kv_cache_dtype) and kv_cache_dtype not in FP8_KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype: the HySparse backend stores {list(FP8_KV_CACHE_DTYPES)} (e4m3) "
-                             f"or 'auto' (got {kv_cache_dtype!r})")
+        check_kv_cache_dtype(kv_cache_dtype)
         window = selection.window if isinstance(selection, WindowSelection) else None
         if sliding_window != window:
             # vLLM frees pages out of the window (SlidingWindowSpec): only the window role may have one

@@ -31,33 +31,18 @@ def select_pic_worker(vllm_config) -> None:
         parallel.worker_cls = worker
 
 
-def check_parallel(vllm_config) -> None:
-    """Refuse, before any worker starts, a TP size that neither splits nor replicates the KV heads evenly
-    and a pipeline split that separates layers sharing a KV cache (one-line errors)."""
+def check_engine_config(vllm_config) -> None:
+    """Refuse, before any worker starts, each with one line: a TP size that neither splits nor replicates
+    the KV heads evenly, a pipeline split that separates layers sharing a KV cache, and a quantised
+    `kv_cache_dtype` our backend cannot store."""
+    from vllm_hysparse.attention.backend import check_kv_cache_dtype
     from vllm_hysparse.configs.base import tensor_parallel_heads
     from vllm_hysparse.models.pipeline import check_pipeline_split
 
     config, parallel = vllm_config.model_config.hf_config, vllm_config.parallel_config
     tensor_parallel_heads(config, parallel.tensor_parallel_size)
     check_pipeline_split(config, parallel.pipeline_parallel_size)
-
-
-def check_kv_cache_dtype(vllm_config) -> None:
-    """Refuse, at engine start, a quantised `kv_cache_dtype` our backend cannot store (it stores e4m3 FP8)."""
-    from vllm.utils.torch_utils import is_quantized_kv_cache
-
-    from vllm_hysparse.attention.backend import FP8_KV_CACHE_DTYPES
-
-    dtype = vllm_config.cache_config.cache_dtype
-    if is_quantized_kv_cache(dtype) and dtype not in FP8_KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype: HySparse models support 'auto' or {list(FP8_KV_CACHE_DTYPES)} "
-                         f"(FP8 e4m3), not {dtype!r}")
-
-
-def check_engine_config(vllm_config) -> None:
-    """Everything refused before any worker starts, each with one line."""
-    check_parallel(vllm_config)
-    check_kv_cache_dtype(vllm_config)
+    check_kv_cache_dtype(vllm_config.cache_config.cache_dtype)
 
 
 class HySparseConfigUpdater:
