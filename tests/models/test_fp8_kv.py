@@ -53,14 +53,19 @@ def reference(ckpt):
     return AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
 
 
-@pytest.fixture(scope="module")
-def llm(ckpt):
+def fp8_engine(ckpt):
+    """Body of a module's FP8-KV engine fixture: the engine, shut down after; a skip where vLLM cannot store FP8."""
     if not fp8_supported_here():
         pytest.skip("vLLM's CPU build stores an FP8 KV cache only with AVX-512 or AMX")
     engine = make_llm(ckpt, enforce_eager=True, block_size=32, max_num_batched_tokens=64, max_num_seqs=8,
                       kv_cache_dtype="fp8")
     yield engine
     shutdown(engine)
+
+
+@pytest.fixture(scope="module")
+def llm(ckpt):
+    yield from fp8_engine(ckpt)
 
 
 def reference_distributions(model, prompt: list[int], max_tokens: int) -> tuple[list[int], list[torch.Tensor]]:

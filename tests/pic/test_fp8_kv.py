@@ -16,9 +16,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import vllm_hysparse  # noqa: F401
-from tests.models.test_fp8_kv import check_fp8_close, fp8_supported_here
+from tests.models.test_fp8_kv import check_fp8_close, fp8_engine
 from tests.pic.test_engine import assemble, delta, generate, state
-from tests.vllm_utils import make_llm, random_prompts, shutdown
+from tests.vllm_utils import random_prompts
 from vllm_hysparse.reference.pic import pic_greedy
 from vllm_hysparse.tools.make_checkpoint import write_checkpoint
 
@@ -44,12 +44,7 @@ def reference(ckpt):
 
 @pytest.fixture(scope="module")
 def llm(ckpt):
-    if not fp8_supported_here():
-        pytest.skip("vLLM's CPU build stores an FP8 KV cache only with AVX-512 or AMX")
-    engine = make_llm(ckpt, enforce_eager=True, block_size=32, max_num_batched_tokens=64, max_num_seqs=8,
-                      kv_cache_dtype="fp8")
-    yield engine
-    shutdown(engine)
+    yield from fp8_engine(ckpt)
 
 
 def test_pic_matches_reference_and_store_hits(llm, reference):
