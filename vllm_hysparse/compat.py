@@ -4,13 +4,47 @@
 from vllm_hysparse.models.config_hooks import EARLY_EXIT_ENV
 
 _GUARD_FLAG = "_hysparse_prompt_logprobs_guard"
+# The integers msgspec can serialise when the client sends a request to the engine core.
+_INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
+
+
+def _has_unserialisable_int(value) -> bool:
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return not _INT_MIN <= value <= _INT_MAX
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return any(_has_unserialisable_int(v) for v in value)
+    if isinstance(value, dict):
+        return any(_has_unserialisable_int(k) or _has_unserialisable_int(v) for k, v in value.items())
+    return False
+
+
+def unserialisable_field(params) -> str | None:
+    """The first public `SamplingParams` field holding an integer past 64 bits, or None.
+
+    vLLM 0.32 registers a request with its output processor before it serialises it
+    for the engine core (v1/engine/llm_engine.py `add_request`, async_llm.py likewise).
+    An integer msgspec cannot encode then raises `OverflowError` after registration,
+    and the orphaned request never finishes: `LLM.generate` waits for it forever.
+    The OpenAI schema range-checks `seed` only; `SamplingParams` checks none.
+    """
+    for name in params.__struct_fields__:
+        if not name.startswith("_") and _has_unserialisable_int(getattr(params, name)):
+            return name
+    return None
 
 
 def install_prompt_logprobs_guard() -> None:
-    """Reject prompt logprobs under KV-sharing fast prefill in the offline engine too.
+    """Reject requests that would stop the engine, in the OpenAI server and the offline engine alike.
 
-    vLLM's async (server) path rejects such requests, but `LLM.generate` sends
-    them on and the worker dies on an assertion. Early exit never computes
+    Two guards in vLLM's input processor, which runs before a request is registered:
+    prompt logprobs under KV-sharing fast prefill (HySparse2's early exit), and
+    integers past 64 bits (see `unserialisable_field`).
+
+    vLLM's async (server) path rejects `prompt_logprobs >= 1` only, and
+    `LLM.generate` none at all; what gets through kills the worker on an
+    assertion, and the engine with it. Early exit never computes
     logits for earlier prompt rows, so a clear validation error is the only
     correct answer there. Idempotent.
     """
@@ -23,12 +57,18 @@ def install_prompt_logprobs_guard() -> None:
         return
 
     def _validate_params(self, params, supported_tasks):
-        if (isinstance(params, SamplingParams) and params.prompt_logprobs
+        # `is not None`, not truth: 0 asks for the prompt tokens' own logprobs, and vLLM's
+        # own check in AsyncLLM.add_request (v1/engine/async_llm.py) tests truth and lets it by.
+        if (isinstance(params, SamplingParams) and params.prompt_logprobs is not None
                 and self.vllm_config.cache_config.kv_sharing_fast_prefill):
             raise VLLMValidationError(
                 "prompt_logprobs are not available with prefill early exit (KV-sharing fast prefill): "
                 f"the cross-decoder never runs on earlier prompt rows; set {EARLY_EXIT_ENV}=0 to get them",
                 parameter="prompt_logprobs", value=params.prompt_logprobs)
+        if isinstance(params, SamplingParams) and (name := unserialisable_field(params)) is not None:
+            raise VLLMValidationError(
+                f"{name}: integers must lie in [-2**63, 2**64 - 1] (vLLM serialises requests with 64-bit integers)",
+                parameter=name)
         return original(self, params, supported_tasks)
 
     setattr(_validate_params, _GUARD_FLAG, True)

@@ -14,6 +14,10 @@ import tests.vllm_utils  # noqa: F401  (CPU engine environment, before vLLM star
 
 VLLM = str(Path(sys.executable).parent / "vllm")
 SERVE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+# The shared tiny servers of tests/entrypoints/conftest.py.
+API_KEY = "hostile-test-key"
+MAX_LEN = 512
+VOCAB = 8192  # the tiny preset's vocabulary
 
 
 def free_port() -> int:
