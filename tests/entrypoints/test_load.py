@@ -19,6 +19,9 @@ import pytest
 
 import tests.vllm_utils  # noqa: F401  (CPU vLLM environment)
 
+# Benchmark tier: minutes of load on a shared machine; `bash scripts/test.sh --bench` runs it (not CI).
+pytestmark = pytest.mark.bench
+
 REPO = Path(__file__).resolve().parents[2]
 
 
