@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tests.tools.test_convert import randomise
+from tests.vllm_utils import randomise
 from vllm_hysparse.tools import convert
 from vllm_hysparse.tools.tokenizer import build_hf_tokenizer
 
