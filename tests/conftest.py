@@ -6,11 +6,14 @@
   listed in the README). A CI machine without AVX-512 (FP8 KV engine tests),
   `ptxas` (the sm_90 AOT builds) or a C++ compiler then fails instead of
   passing with less tested.
+* Engine starts are counted (`tests.vllm_utils.ENGINE_STARTS`: `make_llm`, every
+  `vllm serve` subprocess) and printed at the end of the run.
 * `TRITON_INTERPRET` belongs to the kernel process alone (`tests/kernels/conftest.py`
   sets it): a session that would run other tests with it set is refused.
 """
 
 import os
+import subprocess
 
 import pytest
 
@@ -62,3 +65,34 @@ def pytest_collection_modifyitems(config, items):
             f"TRITON_INTERPRET is set (tests/kernels/conftest.py sets it for its process) but this session also "
             f"runs {len(others)} other test file(s), e.g. {others[0]}: run tests/kernels in a pytest process of "
             f"its own (scripts/test.sh does)")
+
+
+_popen_init = subprocess.Popen.__init__
+
+
+def _counting_popen_init(self, *args, **kwargs):
+    """Counts `vllm serve` subprocesses (any test's own Popen or `serve_utils.serve`), then starts it."""
+    cmd = args[0] if args else kwargs.get("args", "")
+    argv = [str(a) for a in cmd] if isinstance(cmd, (list, tuple)) else str(cmd).split()
+    if len(argv) > 1 and os.path.basename(argv[0]) == "vllm" and argv[1] == "serve":
+        from tests.vllm_utils import ENGINE_STARTS
+
+        ENGINE_STARTS["serve"] += 1
+    _popen_init(self, *args, **kwargs)
+
+
+def pytest_configure(config):
+    subprocess.Popen.__init__ = _counting_popen_init
+
+
+def pytest_unconfigure(config):
+    subprocess.Popen.__init__ = _popen_init
+
+
+def pytest_terminal_summary(terminalreporter):
+    import sys
+
+    utils = sys.modules.get("tests.vllm_utils")
+    if utils is not None and utils.ENGINE_STARTS:
+        counts = ", ".join(f"{k} {v}" for k, v in sorted(utils.ENGINE_STARTS.items()))
+        terminalreporter.write_line(f"engine starts in this process: {sum(utils.ENGINE_STARTS.values())} ({counts})")

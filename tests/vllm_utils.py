@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Helpers for tests that drive the real vLLM engine on CPU and compare against the reference model."""
 
+import collections
 import contextlib
 import os
 from dataclasses import dataclass
@@ -17,6 +18,9 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
 TOP_LOGPROBS = 5
+# Engines this pytest process started, by kind (`tests/conftest.py` prints them at the end of the run):
+# "offline" (`make_llm`), "serve" (a `vllm serve` subprocess), "load-check" (`offline_load_errors`).
+ENGINE_STARTS: collections.Counter = collections.Counter()
 # e4m3 rounds each K/V element by up to 2^-4 of itself; on the tiny random models that has moved logprobs by
 # up to 0.14 (HySparse2; HySparse within 0.1)
 FP8_ATOL = 0.25
@@ -33,6 +37,7 @@ def make_llm(model_dir, **kwargs):
 
     args = dict(model=str(model_dir), dtype="float32", max_model_len=1024, seed=0)
     args.update(kwargs)
+    ENGINE_STARTS["offline"] += 1
     return LLM(**args)
 
 
@@ -156,6 +161,7 @@ def offline_load_errors(paths: list, work, timeout_s: float) -> dict[str, str | 
     import sys
 
     result = work / "errors.json"
+    ENGINE_STARTS["load-check"] += 1
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     run = subprocess.run([sys.executable, "-c", OFFLINE, str(result), *map(str, paths)],
