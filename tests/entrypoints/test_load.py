@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""`benchmarks/load_test.py` and `benchmarks/soak_test.py` at CI size, end to end through `vllm serve`.
+"""`benchmarks/load_test.py` and `benchmarks/soak_test.py` end to end through `vllm serve` (benchmark tier, `-m bench`).
 
 The load test: 256 concurrent streaming clients on each tiny checkpoint (HySparse, HySparse2), PIC requests
 and mid-stream disconnects mixed in; every completed request must equal the same prompt served alone, no
