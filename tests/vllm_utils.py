@@ -1,10 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """Helpers for tests that drive the real vLLM engine on CPU and compare against the reference model."""
 
+import collections
 import contextlib
 import os
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 # CPU vLLM needs these before an engine starts (see README); tests share engines
@@ -16,6 +18,12 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
 TOP_LOGPROBS = 5
+# Engines this pytest process started, by kind (`tests/conftest.py` prints them at the end of the run):
+# "offline" (`make_llm`), "serve" (a `vllm serve` subprocess), "load-check" (`offline_load_errors`).
+ENGINE_STARTS: collections.Counter = collections.Counter()
+# e4m3 rounds each K/V element by up to 2^-4 of itself; on the tiny random models that has moved logprobs by
+# up to 0.14 (HySparse2; HySparse within 0.1)
+FP8_ATOL = 0.25
 
 
 @dataclass
@@ -29,6 +37,7 @@ def make_llm(model_dir, **kwargs):
 
     args = dict(model=str(model_dir), dtype="float32", max_model_len=1024, seed=0)
     args.update(kwargs)
+    ENGINE_STARTS["offline"] += 1
     return LLM(**args)
 
 
@@ -123,3 +132,93 @@ def kv_cache_layout(worker) -> dict:
 def shutdown(llm) -> None:
     with contextlib.suppress(Exception):
         llm.llm_engine.engine_core.shutdown()
+
+
+# The offline API in one process for all weight cases: each engine start then costs seconds, not a
+# minute (in-process engine core, worker in the engine core; the same load path as the server's).
+OFFLINE = """
+import contextlib, json, sys
+from vllm import LLM
+from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+errors = {}
+for path in sys.argv[2:]:
+    try:
+        LLM(path, dtype="float32", max_model_len=512, enforce_eager=True, distributed_executor_backend="uni")
+        errors[path] = None
+    except Exception as e:
+        errors[path] = f"{type(e).__name__}: {e}"
+    with contextlib.suppress(Exception):
+        destroy_model_parallel()
+        destroy_distributed_environment()
+open(sys.argv[1], "w").write(json.dumps(errors))
+"""
+
+
+def offline_load_errors(paths: list, work, timeout_s: float) -> dict[str, str | None]:
+    """`LLM(path)` for every path in one fresh process: {str(path): None, or the exception as one string}."""
+    import json
+    import subprocess
+    import sys
+
+    result = work / "errors.json"
+    ENGINE_STARTS["load-check"] += 1
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    run = subprocess.run([sys.executable, "-c", OFFLINE, str(result), *map(str, paths)],
+                         capture_output=True, text=True, timeout=timeout_s, env=env)
+    assert result.exists(), run.stdout[-3000:] + run.stderr[-3000:]
+    return json.loads(result.read_text())
+
+
+def randomise(model: torch.nn.Module, seed: int) -> None:
+    """Weights that make every mapping visible: peaked attention, non-unit norms, non-zero biases."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = model.config.hidden_size
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * noise)
+            elif name.endswith("bias"):
+                p.copy_(0.3 * noise)
+            elif name.endswith(("q_proj.weight", "k_proj.weight")):
+                # q.k / sqrt(D) with a std of about 3: attention far from uniform.
+                p.copy_(noise * (3.0 / hidden) ** 0.5)
+            else:
+                p.copy_(noise / p.shape[-1] ** 0.5)
+
+# ---------------------------------------------------------------- FP8 KV cache (tests/models, tests/pic)
+
+def fp8_supported_here() -> bool:
+    """vLLM's CPU attention stores FP8 only on x86 with AVX-512 or AMX (vllm/v1/attention/backends/cpu_attn.py)."""
+    return torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def fp8_engine(ckpt):
+    """Body of a module's FP8-KV engine fixture: the engine, shut down after; a skip where vLLM cannot store FP8."""
+    if not fp8_supported_here():
+        pytest.skip("vLLM's CPU build stores an FP8 KV cache only with AVX-512 or AMX")
+    engine = make_llm(ckpt, enforce_eager=True, block_size=32, max_num_batched_tokens=64, max_num_seqs=8,
+                      kv_cache_dtype="fp8")
+    yield engine
+    shutdown(engine)
+
+
+def check_fp8_close(ref_tokens: list[list[int]], ref_lps: list[list], got: list, min_matched: float = 0.5) -> int:
+    """vLLM's convention at FP8's tolerance; `ref_lps[n][i]` maps every token id to the reference's logprob.
+
+    Returns the positions matched before a divergence (at least `min_matched` of all)."""
+    matched = total = 0
+    for n, (tokens, lps, test) in enumerate(zip(ref_tokens, ref_lps, got, strict=True)):
+        total += len(tokens)
+        for i, (ta, tb) in enumerate(zip(tokens, test.token_ids, strict=True)):
+            if ta != tb:
+                gap = float(lps[i][ta]) - float(lps[i][tb])
+                assert gap < 2 * FP8_ATOL, f"prompt {n}, token {i}: vLLM's {tb} is {gap:.3f} below the best {ta}"
+                break
+            diff = abs(float(lps[i][ta]) - test.logprobs[i][tb])
+            assert diff < FP8_ATOL, f"prompt {n}, token {i}: logprobs differ by {diff:.4f}"
+            matched += 1
+    print(f"FP8 KV: {matched} of {total} positions matched before a divergence")
+    assert matched >= min_matched * total, f"only {matched} of {total} positions matched before a divergence"
+    return matched

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""`benchmarks/load_test.py` and `benchmarks/soak_test.py` at CI size, end to end through `vllm serve`.
+"""`benchmarks/load_test.py` and `benchmarks/soak_test.py` end to end through `vllm serve` (benchmark tier, `-m bench`).
 
 The load test: 256 concurrent streaming clients on each tiny checkpoint (HySparse, HySparse2), PIC requests
 and mid-stream disconnects mixed in; every completed request must equal the same prompt served alone, no
@@ -18,6 +18,9 @@ from pathlib import Path
 import pytest
 
 import tests.vllm_utils  # noqa: F401  (CPU vLLM environment)
+
+# Benchmark tier: minutes of load on a shared machine; `bash scripts/test.sh --bench` runs it (not CI).
+pytestmark = pytest.mark.bench
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -24,7 +24,7 @@ from tests.kernels import test_block_sparse as bs
 from tests.kernels import test_oracle as orc
 from tests.kernels import test_token_oracle as tor
 from tests.kernels import test_token_sparse as ts
-from tests.kernels.conftest import DEVICE, nan_like, nan_out
+from tests.kernel_utils import DEVICE, nan_like, nan_out
 
 
 @pytest.fixture(params=["cpp", "masked", "gathered"])

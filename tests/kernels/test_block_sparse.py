@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from csrc_triton.block_sparse import block_sparse_attention, block_sparse_attention_naive
-from tests.kernels.conftest import DEVICE, Case, dense_causal, make_paged_batch, nan_like, nan_out
+from tests.kernel_utils import DEVICE, Case, dense_causal, make_paged_batch, nan_like, nan_out
 from vllm_hysparse.reference import ops
 
 CASES = [

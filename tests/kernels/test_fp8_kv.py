@@ -29,7 +29,7 @@ from tests.kernels import test_block_sparse as bs
 from tests.kernels import test_oracle as orc
 from tests.kernels import test_token_oracle as tor
 from tests.kernels import test_token_sparse as ts
-from tests.kernels.conftest import nan_out
+from tests.kernel_utils import nan_out
 from vllm_hysparse.attention.paged import FP8_MAX, to_cache
 
 

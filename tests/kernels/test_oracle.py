@@ -7,7 +7,7 @@ import torch
 
 from csrc_triton.oracle import oracle_attention, oracle_attention_naive
 from csrc_triton.oracle.kernel import oracle_fwd
-from tests.kernels.conftest import DEVICE, Case, make_paged_batch, nan_like, nan_out
+from tests.kernel_utils import DEVICE, Case, make_paged_batch, nan_like, nan_out
 from vllm_hysparse.reference import ops
 
 CASES = [

@@ -8,7 +8,7 @@ import torch
 
 from csrc_triton.token_oracle import token_oracle_attention, token_oracle_attention_naive
 from csrc_triton.token_oracle.kernel import token_oracle_fwd
-from tests.kernels.conftest import DEVICE, dv_tag, make_paged_batch, nan_like, nan_out
+from tests.kernel_utils import DEVICE, dv_tag, make_paged_batch, nan_like, nan_out
 from vllm_hysparse.reference import ops
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from csrc_triton.token_sparse import token_sparse_attention, token_sparse_attention_naive
-from tests.kernels.conftest import DEVICE, dv_tag, dense_causal, make_paged_batch, nan_like, nan_out
+from tests.kernel_utils import DEVICE, dv_tag, dense_causal, make_paged_batch, nan_like, nan_out
 from vllm_hysparse.reference import ops
 
 

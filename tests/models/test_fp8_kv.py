@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import vllm_hysparse  # noqa: F401
-from tests.vllm_utils import kv_cache_layout, make_llm, random_prompts, shutdown, vllm_greedy
+from tests.vllm_utils import check_fp8_close, fp8_engine, kv_cache_layout, make_llm, random_prompts, vllm_greedy
 from vllm_hysparse.tools.make_checkpoint import write_checkpoint
 
 # Every sequence stays within the tiny presets' selection budget (HySparse: 2 blocks of 16; HySparse2: 16
@@ -28,16 +28,6 @@ from vllm_hysparse.tools.make_checkpoint import write_checkpoint
 # exact on the dequantised cache is checked by tests/kernels/test_fp8_kv.py.
 LENGTHS = [1, 5, 9, 17, 21, 26]
 MAX_TOKENS = 6
-# e4m3 rounds each K/V element by up to 2^-4 of itself; on the tiny random models that has moved logprobs by
-# up to 0.14 (HySparse2; HySparse within 0.1)
-FP8_ATOL = 0.25
-
-
-def fp8_supported_here() -> bool:
-    """vLLM's CPU attention stores FP8 only on x86 with AVX-512 or AMX (vllm/v1/attention/backends/cpu_attn.py)."""
-    return torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()
-
-
 @pytest.fixture(scope="module", params=["hysparse", "hysparse2"])
 def arch(request):
     return request.param
@@ -51,16 +41,6 @@ def ckpt(arch, tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(ckpt):
     return AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
-
-
-def fp8_engine(ckpt):
-    """Body of a module's FP8-KV engine fixture: the engine, shut down after; a skip where vLLM cannot store FP8."""
-    if not fp8_supported_here():
-        pytest.skip("vLLM's CPU build stores an FP8 KV cache only with AVX-512 or AMX")
-    engine = make_llm(ckpt, enforce_eager=True, block_size=32, max_num_batched_tokens=64, max_num_seqs=8,
-                      kv_cache_dtype="fp8")
-    yield engine
-    shutdown(engine)
 
 
 @pytest.fixture(scope="module")
@@ -80,26 +60,6 @@ def reference_distributions(model, prompt: list[int], max_tokens: int) -> tuple[
             lps.append(lp)
             ids = torch.tensor([[tokens[-1]]])
     return tokens, lps
-
-
-def check_fp8_close(ref_tokens: list[list[int]], ref_lps: list[list], got: list, min_matched: float = 0.5) -> int:
-    """vLLM's convention at FP8's tolerance; `ref_lps[n][i]` maps every token id to the reference's logprob.
-
-    Returns the positions matched before a divergence (at least `min_matched` of all)."""
-    matched = total = 0
-    for n, (tokens, lps, test) in enumerate(zip(ref_tokens, ref_lps, got, strict=True)):
-        total += len(tokens)
-        for i, (ta, tb) in enumerate(zip(tokens, test.token_ids, strict=True)):
-            if ta != tb:
-                gap = float(lps[i][ta]) - float(lps[i][tb])
-                assert gap < 2 * FP8_ATOL, f"prompt {n}, token {i}: vLLM's {tb} is {gap:.3f} below the best {ta}"
-                break
-            diff = abs(float(lps[i][ta]) - test.logprobs[i][tb])
-            assert diff < FP8_ATOL, f"prompt {n}, token {i}: logprobs differ by {diff:.4f}"
-            matched += 1
-    print(f"FP8 KV: {matched} of {total} positions matched before a divergence")
-    assert matched >= min_matched * total, f"only {matched} of {total} positions matched before a divergence"
-    return matched
 
 
 def test_greedy_matches_reference(llm, reference):

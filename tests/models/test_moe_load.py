@@ -2,11 +2,7 @@
 """MoE checkpoints that do not fit their config fail vLLM's load with one line naming the tensor;
 expert parallelism is refused on CPU and where its size does not divide the experts."""
 
-import json
-import os
 import shutil
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -14,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import vllm_hysparse  # noqa: F401
-from tests.tools.test_corrupt_checkpoints import OFFLINE, SERVE_ENV
+from tests.vllm_utils import offline_load_errors
 from vllm_hysparse.tools.make_checkpoint import write_checkpoint
 
 # HySparse tiny_moe: 8 experts of 64 on layers 1-5, hidden 128, layer 0 dense.
@@ -62,12 +58,7 @@ def test_offline_llm_refuses_mismatched_moe_checkpoints(tmp_path):
         edit(tensors)
         save_file(tensors, path / "model.safetensors")
         bad[how] = path
-    result = tmp_path / "errors.json"
-    env = {**os.environ, **SERVE_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    run = subprocess.run([sys.executable, "-c", OFFLINE, str(result), *map(str, bad.values())],
-                         capture_output=True, text=True, timeout=400, env=env)
-    assert result.exists(), run.stdout[-3000:] + run.stderr[-3000:]
-    errors = json.loads(result.read_text())
+    errors = offline_load_errors(list(bad.values()), tmp_path, timeout_s=400)
     for how, path in bad.items():
         error = errors[str(path)]
         assert error is not None, f"{how}: LLM(...) loaded a mismatched checkpoint"

@@ -13,10 +13,7 @@ same math, up to float32 summation order.
 """
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -24,8 +21,15 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 import vllm_hysparse  # noqa: F401
-from tests.tools.test_corrupt_checkpoints import OFFLINE, SERVE_ENV
-from tests.vllm_utils import check_logprobs_close, make_llm, random_prompts, reference_greedy, shutdown, vllm_greedy
+from tests.vllm_utils import (
+    check_logprobs_close,
+    make_llm,
+    offline_load_errors,
+    random_prompts,
+    reference_greedy,
+    shutdown,
+    vllm_greedy,
+)
 from vllm_hysparse.configs.tensors import layer_kind
 from vllm_hysparse.models import common, hysparse, hysparse2
 from vllm_hysparse.tools.make_checkpoint import build_config, write_checkpoint
@@ -233,12 +237,7 @@ def test_offline_llm_refuses_mismatched_quantised_checkpoints(tmp_path):
     src = write_checkpoint(tmp_path / "float", "hysparse", "tiny", seed=23)
     dst = quantize_checkpoint(src, tmp_path / "fp8", IGNORED["hysparse"])
     bad = {how: _edit(dst, tmp_path / how, edit) for how, (edit, _) in LOAD_CASES.items()}
-    result = tmp_path / "errors.json"
-    env = {**os.environ, **SERVE_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    run = subprocess.run([sys.executable, "-c", OFFLINE, str(result), *map(str, bad.values())],
-                         capture_output=True, text=True, timeout=500, env=env)
-    assert result.exists(), run.stdout[-3000:] + run.stderr[-3000:]
-    errors = json.loads(result.read_text())
+    errors = offline_load_errors(list(bad.values()), tmp_path, timeout_s=500)
     for how, path in bad.items():
         error = errors[str(path)]
         assert error is not None, f"{how}: LLM(...) loaded a mismatched checkpoint"

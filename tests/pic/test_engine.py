@@ -13,8 +13,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import vllm_hysparse  # noqa: F401
+from tests.pic_utils import assemble, delta, generate, state
 from tests.vllm_utils import (
-    TOP_LOGPROBS,
     Completion,
     check_logprobs_close,
     env_without,
@@ -23,32 +23,11 @@ from tests.vllm_utils import (
     reference_greedy,
     shutdown,
 )
-from vllm_hysparse.pic.layout import PICLayout
 from vllm_hysparse.reference.pic import pic_greedy
 from vllm_hysparse.tools.make_checkpoint import write_checkpoint
 
 MAX_TOKENS = 6
 ARCHS = {"hysparse": {}, "hysparse2": {}, "hysparse2-rope": {"full_rope": True}}
-
-
-def pic_state(worker) -> dict:
-    """Runs inside the worker: PIC counters and store statistics."""
-    engine = worker.model_runner._pic()
-    return {**engine.counters, **engine.store.stats()}
-
-
-def generate(llm, prompts: list[list[int]], layouts: list[PICLayout | None], max_tokens=MAX_TOKENS):
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = [SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=TOP_LOGPROBS, ignore_eos=True,
-                             extra_args=None if lay is None else
-                             {"pic_segments": list(lay.segments), "pic_seam_tokens": lay.seam})
-              for lay in layouts]
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    return [Completion(list(o.outputs[0].token_ids),
-                       [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs])
-            for o in outs]
 
 
 def reference_pic(model, prompts, layouts, max_tokens=MAX_TOKENS):
@@ -60,14 +39,6 @@ def reference_pic(model, prompts, layouts, max_tokens=MAX_TOKENS):
             r = pic_greedy(model, p, lay, max_tokens)
             out.append(Completion(r.token_ids, r.logprobs))
     return out
-
-
-def state(llm) -> dict:
-    return llm.collective_rpc(pic_state)[0]
-
-
-def delta(after: dict, before: dict) -> dict:
-    return {k: after[k] - before[k] for k in ("segments_hit", "segments_cold", "tokens_reused", "tokens_recomputed")}
 
 
 @pytest.fixture(scope="module", params=list(ARCHS))
@@ -98,10 +69,6 @@ def docs(reference):
     # A prefix, four documents (one shorter than the seam) and two queries.
     lengths = [20, 70, 45, 90, 5, 12, 9]
     return random_prompts(lengths, reference.config.vocab_size, seed=21)
-
-
-def assemble(parts: list[list[int]], seam: int) -> tuple[list[int], PICLayout]:
-    return [t for p in parts for t in p], PICLayout(tuple(len(p) for p in parts), seam)
 
 
 def test_seam_covering_every_segment_is_plain_prefill(llm, reference, docs):

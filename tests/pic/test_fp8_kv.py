@@ -16,9 +16,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import vllm_hysparse  # noqa: F401
-from tests.models.test_fp8_kv import check_fp8_close, fp8_engine
-from tests.pic.test_engine import assemble, delta, generate, state
-from tests.vllm_utils import random_prompts
+from tests.pic_utils import assemble, delta, generate, state
+from tests.vllm_utils import check_fp8_close, fp8_engine, random_prompts
 from vllm_hysparse.reference.pic import pic_greedy
 from vllm_hysparse.tools.make_checkpoint import write_checkpoint
 

@@ -6,6 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+# Benchmark tier: minutes of load on a shared machine; `bash scripts/test.sh --bench` runs it (not CI).
+pytestmark = pytest.mark.bench
+
 REPO = Path(__file__).resolve().parents[2]
 SUMMARY_FIELDS = [
     "ttft_warm_pic_s", "ttft_prefix_cache_s", "ttft_full_recompute_s", "ttft_cold_pic_s", "ttft_plain_prefill_s",

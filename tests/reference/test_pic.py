@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from tests.reference.test_modeling import VOCAB, close, differs, make_h2, make_hs
+from tests.reference._models import VOCAB, close, differs, make_h2, make_hs
 from tests.vllm_utils import random_prompts, reference_greedy
 from vllm_hysparse.pic.layout import PICLayout
 from vllm_hysparse.reference import HySparse2ForCausalLM

@@ -26,6 +26,7 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
+from tests.vllm_utils import randomise
 from vllm_hysparse.configs.tensors import expected_tensors, layer_kind
 from vllm_hysparse.reference import HySparse2ForCausalLM, HySparseForCausalLM
 from vllm_hysparse.tools import convert as cv
@@ -76,24 +77,6 @@ def _single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-def randomise(model: torch.nn.Module, seed: int) -> None:
-    """Weights that make every mapping visible: peaked attention, non-unit norms, non-zero biases."""
-    gen = torch.Generator().manual_seed(seed)
-    hidden = model.config.hidden_size
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * noise)
-            elif name.endswith("bias"):
-                p.copy_(0.3 * noise)
-            elif name.endswith(("q_proj.weight", "k_proj.weight")):
-                # q.k / sqrt(D) with a std of about 3: attention far from uniform.
-                p.copy_(noise * (3.0 / hidden) ** 0.5)
-            else:
-                p.copy_(noise / p.shape[-1] ** 0.5)
 
 
 def make_kv_shareable(model: torch.nn.Module, full: int, follower: int) -> None:

@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import vllm_hysparse  # noqa: F401  (registers our configs and models)
+from tests.vllm_utils import offline_load_errors
 from vllm_hysparse.reference import CheckpointError
 from vllm_hysparse.tools import convert as cv
 from vllm_hysparse.tools.make_checkpoint import write_checkpoint
@@ -189,34 +190,9 @@ def test_convert_refuses_corrupt_source(dense, tmp_path, capsys, how):
 # What a `vllm serve` user sees: one line naming the problem, and the server exits
 
 
-# The offline API in one process for all weight cases: each engine start then costs seconds, not a
-# minute (in-process engine core, worker in the engine core; the same load path as the server's).
-OFFLINE = """
-import contextlib, json, sys
-from vllm import LLM
-from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
-errors = {}
-for path in sys.argv[2:]:
-    try:
-        LLM(path, dtype="float32", max_model_len=512, enforce_eager=True, distributed_executor_backend="uni")
-        errors[path] = None
-    except Exception as e:
-        errors[path] = f"{type(e).__name__}: {e}"
-    with contextlib.suppress(Exception):
-        destroy_model_parallel()
-        destroy_distributed_environment()
-open(sys.argv[1], "w").write(json.dumps(errors))
-"""
-
-
 def test_offline_llm_refuses_corrupt_weights(good, tmp_path):
     bad = {how: corrupt_weights(good, tmp_path / how, how) for how in WEIGHT_CASES}
-    result = tmp_path / "errors.json"
-    env = {**os.environ, **SERVE_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    run = subprocess.run([sys.executable, "-c", OFFLINE, str(result), *map(str, bad.values())],
-                         capture_output=True, text=True, timeout=400, env=env)
-    assert result.exists(), run.stdout[-3000:] + run.stderr[-3000:]
-    errors = json.loads(result.read_text())
+    errors = offline_load_errors(list(bad.values()), tmp_path, timeout_s=400)
     for how, path in bad.items():
         error = errors[str(path)]
         assert error is not None, f"{how}: LLM(...) loaded a corrupt checkpoint"

@@ -9,7 +9,9 @@ is absent, the complete new checkpoint, or (with `--force` over an existing
 one) the complete old one; after SIGINT nothing temporary is left beside it,
 after SIGKILL only directories named `.<name>.tmp-*`.
 
-`HYSPARSE_INTERRUPT_SEED` picks other moments (the seed is in every failure message).
+The moments are drawn from a fixed seed (0; `HYSPARSE_INTERRUPT_SEED` picks others, and the seed is in
+every failure message). Each test asserts how many of its runs the signal really interrupted: the early
+one and at least one while the temporary directory was filling, or it would prove nothing.
 """
 
 import json
@@ -36,7 +38,7 @@ from vllm_hysparse.tools.staging import TMP_MARK, temporary_names
 from vllm_hysparse.tools.tokenizer import build_hf_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
-SEED = int(os.environ.get("HYSPARSE_INTERRUPT_SEED", time.time_ns() % 100_000))
+SEED = int(os.environ.get("HYSPARSE_INTERRUPT_SEED", "0"))
 RUN_TIMEOUT_S = 180
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 # A dense Llama of ~35M parameters (~140 MB float32): conversion and saving take a moment.
@@ -156,6 +158,23 @@ def _summary(outcome: str, result: dict) -> str:
     return f"{outcome} ({result['moment']}: {'finished first' if at is None else f'sent at {at:.2f} s'})"
 
 
+def interrupted(result: dict, sig: int) -> bool:
+    """The signal reached the tool before it finished: sent while it ran, and its exit status shows it."""
+    return result["signalled_at"] is not None and (result["rc"] == -sig if sig == signal.SIGKILL else result["rc"] != 0)
+
+
+def check_interrupted(tool: str, sig: int, results: list[dict]) -> None:
+    """The last run (the early moment) and at least one staged run were really interrupted, the staged one
+    while its temporary directory existed."""
+    hit = [interrupted(r, sig) for r in results]
+    staged = sum(h and r["tmp_seen_at"] is not None and r["signalled_at"] >= r["tmp_seen_at"]
+                 for h, r in zip(hit[:-1], results[:-1]))
+    print(f"{tool} {signal.Signals(sig).name} (seed {SEED}): {sum(hit)} of {len(results)} runs interrupted, "
+          f"{staged} while staging")
+    assert hit[-1], f"seed {SEED}: the early {signal.Signals(sig).name} did not interrupt {tool}: {results[-1]}"
+    assert staged >= 1, f"seed {SEED}: no {signal.Signals(sig).name} reached {tool} while it staged its output"
+
+
 def _moments(name: str, n_files: int, staged: int, early: Moment) -> list[Moment]:
     """`staged` random moments while the temporary directory fills (after a random number of its
     `n_files` entries, plus up to 50 ms), then `early`, before anything is written."""
@@ -182,7 +201,7 @@ def old_tiny(tmp_path_factory):
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
 def test_make_checkpoint_interrupted(tmp_path, old_tiny, sig):
-    outcomes = []
+    outcomes, results = [], []
     # 13 entries: config, 3 tokenizer files, generation config, 7 shards, index
     moments = _moments(f"make-{sig}", 13, 2, Moment(_rng(f"make-early-{sig}").uniform(0.3, 1.5)))
     for i, moment in enumerate(moments):
@@ -194,9 +213,11 @@ def test_make_checkpoint_interrupted(tmp_path, old_tiny, sig):
             shutil.copytree(old_tiny, out)
         result = run_interrupted([*MAKE_CMD, "--out", str(out), *(["--force"] if force else [])], out, sig,
                                  moment, log=tmp_path / f"run{i}.log")
+        results.append(result)
         outcomes.append(_summary(check_outcome(out, sig, result, old_hidden=128 if force else None,
                                       new_hidden=NEW_HIDDEN), result))
     print(f"make_checkpoint {signal.Signals(sig).name} (seed {SEED}): {outcomes}")
+    check_interrupted("make_checkpoint", sig, results)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,7 +245,7 @@ CONVERT_CMD = [sys.executable, str(ROOT / "scripts" / "convert_checkpoint.py"), 
 def test_convert_interrupted(tmp_path, teacher, sig):
     old = tmp_path / "old"
     write_checkpoint(old, "hysparse", "tiny", seed=2)
-    outcomes = []
+    outcomes, results = [], []
     # config, 4 side files, 7 parts of 20 MB (renamed to shards at the end), index
     moments = _moments(f"convert-{sig}", 12, 2, Moment(_rng(f"convert-early-{sig}").uniform(0.3, 1.5)))
     for i, moment in enumerate(moments):
@@ -237,9 +258,11 @@ def test_convert_interrupted(tmp_path, teacher, sig):
         result = run_interrupted([*CONVERT_CMD, "--src", str(teacher), "--dst", str(out),
                                   *(["--force"] if force else [])], out, sig, moment,
                                  log=tmp_path / f"run{i}.log")
+        results.append(result)
         outcomes.append(_summary(check_outcome(out, sig, result, old_hidden=128 if force else None,
                                       new_hidden=TEACHER["hidden_size"]), result))
     print(f"convert {signal.Signals(sig).name} (seed {SEED}): {outcomes}")
+    check_interrupted("convert", sig, results)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -265,7 +288,7 @@ def train_text(tmp_path_factory):
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
 def test_distill_interrupted(tmp_path, small_pair, train_text, sig):
     teacher, student = small_pair
-    outcomes = []
+    outcomes, results = [], []
     # config, generation config, weights, 3 tokenizer files; early: while it trains
     moments = _moments(f"distill-{sig}", 6, 1, Moment(_rng(f"distill-early-{sig}").uniform(0.0, 0.3), log="distill:"))
     for i, moment in enumerate(moments):
@@ -276,6 +299,8 @@ def test_distill_interrupted(tmp_path, small_pair, train_text, sig):
                "--text", str(train_text), "--out", str(out), "--steps", "4", "--seq-len", "32",
                "--batch-size", "1", "--heldout-windows", "1"]
         result = run_interrupted(cmd, out, sig, moment, log=tmp_path / f"run{i}.log")
+        results.append(result)
         outcomes.append(_summary(check_outcome(out, sig, result, old_hidden=None,
                                                new_hidden=SMALL_TEACHER["hidden_size"]), result))
     print(f"distill {signal.Signals(sig).name} (seed {SEED}): {outcomes}")
+    check_interrupted("distill", sig, results)

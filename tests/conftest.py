@@ -1,0 +1,98 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Rules for every pytest process of the suite.
+
+* `HYSPARSE_STRICT_SKIPS=1` (set by `.ci/run`): a skip is a failure, except the
+  bf16 cases that the Triton CPU interpreter computes wrongly (`ALLOWED_SKIPS`,
+  listed in the README). A CI machine without AVX-512 (FP8 KV engine tests),
+  `ptxas` (the sm_90 AOT builds) or a C++ compiler then fails instead of
+  passing with less tested.
+* Engine starts are counted (`tests.vllm_utils.ENGINE_STARTS`: `make_llm`, every
+  `vllm serve` subprocess) and printed at the end of the run.
+* `TRITON_INTERPRET` belongs to the kernel process alone (`tests/kernels/conftest.py`
+  sets it): a session that would run other tests with it set is refused.
+"""
+
+import os
+import subprocess
+
+import pytest
+
+STRICT_SKIPS_ENV = "HYSPARSE_STRICT_SKIPS"
+# (file, test function): the only skips allowed under HYSPARSE_STRICT_SKIPS=1, on a machine without a GPU
+ALLOWED_SKIPS = {
+    ("tests/kernels/test_block_sparse.py", "test_kernel_bf16"),
+    ("tests/kernels/test_token_sparse.py", "test_kernel_bf16"),
+    ("tests/kernels/test_oracle.py", "test_oracle_attention_bf16"),
+    ("tests/kernels/test_token_oracle.py", "test_token_oracle_attention_bf16"),
+}
+
+
+def strict_skips() -> bool:
+    return os.environ.get(STRICT_SKIPS_ENV, "0") not in ("", "0")
+
+
+def _allowed(nodeid: str) -> bool:
+    path, _, name = nodeid.partition("::")
+    return (path, name.split("[", 1)[0]) in ALLOWED_SKIPS
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and not hasattr(report, "wasxfail") and strict_skips() and not _allowed(item.nodeid):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"skipped under {STRICT_SKIPS_ENV}=1 (not an allowed skip): {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and strict_skips():
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"module skipped under {STRICT_SKIPS_ENV}=1: {reason}"
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return
+    others = sorted({i.nodeid.split("::", 1)[0] for i in items if not i.nodeid.startswith("tests/kernels/")})
+    if others:
+        raise pytest.UsageError(
+            f"TRITON_INTERPRET is set (tests/kernels/conftest.py sets it for its process) but this session also "
+            f"runs {len(others)} other test file(s), e.g. {others[0]}: run tests/kernels in a pytest process of "
+            f"its own (scripts/test.sh does)")
+
+
+_popen_init = subprocess.Popen.__init__
+
+
+def _counting_popen_init(self, *args, **kwargs):
+    """Counts `vllm serve` subprocesses (any test's own Popen or `serve_utils.serve`), then starts it."""
+    cmd = args[0] if args else kwargs.get("args", "")
+    argv = [str(a) for a in cmd] if isinstance(cmd, (list, tuple)) else str(cmd).split()
+    if len(argv) > 1 and os.path.basename(argv[0]) == "vllm" and argv[1] == "serve":
+        from tests.vllm_utils import ENGINE_STARTS
+
+        ENGINE_STARTS["serve"] += 1
+    _popen_init(self, *args, **kwargs)
+
+
+def pytest_configure(config):
+    subprocess.Popen.__init__ = _counting_popen_init
+
+
+def pytest_unconfigure(config):
+    subprocess.Popen.__init__ = _popen_init
+
+
+def pytest_terminal_summary(terminalreporter):
+    import sys
+
+    utils = sys.modules.get("tests.vllm_utils")
+    if utils is not None and utils.ENGINE_STARTS:
+        counts = ", ".join(f"{k} {v}" for k, v in sorted(utils.ENGINE_STARTS.items()))
+        terminalreporter.write_line(f"engine starts in this process: {sum(utils.ENGINE_STARTS.values())} ({counts})")
