@@ -189,6 +189,9 @@ def randomise(model: torch.nn.Module, seed: int) -> None:
 
 # ---------------------------------------------------------------- FP8 KV cache (tests/models, tests/pic)
 
+FP8_SKIP_REASON = "vLLM's CPU build stores an FP8 KV cache only with AVX-512 or AMX"
+
+
 def fp8_supported_here() -> bool:
     """vLLM's CPU attention stores FP8 only on x86 with AVX-512 or AMX (vllm/v1/attention/backends/cpu_attn.py)."""
     return torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()
@@ -197,7 +200,7 @@ def fp8_supported_here() -> bool:
 def fp8_engine(ckpt):
     """Body of a module's FP8-KV engine fixture: the engine, shut down after; a skip where vLLM cannot store FP8."""
     if not fp8_supported_here():
-        pytest.skip("vLLM's CPU build stores an FP8 KV cache only with AVX-512 or AMX")
+        pytest.skip("[hardware] " + FP8_SKIP_REASON)
     engine = make_llm(ckpt, enforce_eager=True, block_size=32, max_num_batched_tokens=64, max_num_seqs=8,
                       kv_cache_dtype="fp8")
     yield engine
