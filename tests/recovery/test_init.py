@@ -148,7 +148,27 @@ def test_initialisation_is_no_worse_than_copying_on_heldout_tokens(checkpoints, 
     assert cli.main(["init", "--teacher", str(checkpoints["teacher"]), "--student", str(checkpoints[arch]),
                      "--out", str(tmp_path / "init"), "--calibrate", str(text), "--tokens", "768",
                      "--seq-len", "96"]) == 0
-    after = heldout.evaluate(_load(tmp_path / "init"))
+    initialised = _load(tmp_path / "init")
+    after = heldout.evaluate(initialised)
+    if arch == "hysparse2":
+        # The bridged K/V themselves, on the held-out windows: closer to the teacher layer's own than copying.
+        from vllm_hysparse.recovery.local import teacher_activations
+        for c, src in converted.config.bridge_source.items():
+            errors = {}
+            for name, model in (("copied", converted), ("fitted", initialised)):
+                err = tot = 0.0
+                for w in heldout.windows:
+                    hidden = teacher_activations(teacher, w, []).hidden
+                    with torch.no_grad():
+                        k_t, v_t = init.teacher_kv(teacher, c, hidden[c], qk_normed=False)
+                        attn = model.model.layers[c].self_attn
+                        x = attn.bridge_norm(hidden[src])
+                        k_s, v_s = attn.k_proj(x), attn.v_proj(x)
+                    err += float((k_s - k_t.flatten(2)).pow(2).sum() + (v_s - v_t.flatten(2)).pow(2).sum())
+                    tot += float(k_t.pow(2).sum() + v_t.pow(2).sum())
+                errors[name] = err / tot
+            print(f"bridge {src} -> {c}: held-out K/V relative error {errors['copied']:.4f} -> {errors['fitted']:.4f}")
+            assert errors["fitted"] < errors["copied"]
     print(f"{arch}: held-out KL {before['heldout_kl']:.4f} -> {after['heldout_kl']:.4f}, "
           f"top-1 {before['heldout_top1']:.3f} -> {after['heldout_top1']:.3f}")
     assert after["heldout_kl"] < before["heldout_kl"]
