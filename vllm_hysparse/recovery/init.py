@@ -127,20 +127,14 @@ def _heads(t: torch.Tensor, n: int) -> torch.Tensor:
     return t.view(n, -1, *t.shape[1:])
 
 
-@torch.no_grad()
 def fold_query_map(q_proj: torch.nn.Linear, head: int, m: torch.Tensor) -> None:
     """Head `head`'s pre-RoPE query becomes `Mᵀ q`, so that `q' · RoPE(k) = q · RoPE(M k)`."""
-    d = m.shape[0]
-    rows = slice(head * d, (head + 1) * d)
-    mt = m.T.to(q_proj.weight.dtype)
-    q_proj.weight[rows] = mt @ q_proj.weight[rows]
-    if q_proj.bias is not None:
-        q_proj.bias[rows] = mt @ q_proj.bias[rows]
+    fold_rows(q_proj, head, m.T)
 
 
 @torch.no_grad()
 def fold_rows(proj: torch.nn.Linear, group: int, m: torch.Tensor) -> None:
-    """Group `group`'s output of `proj` becomes `m` times it (`swa_k_proj` / `swa_v_proj`)."""
+    """Output slice `group` (a head or KV group, `m.shape[0]` wide) of `proj` becomes `m` times it."""
     d = m.shape[0]
     rows = slice(group * d, (group + 1) * d)
     mm = m.to(proj.weight.dtype)
