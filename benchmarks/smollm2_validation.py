@@ -4,6 +4,7 @@
     python benchmarks/smollm2_validation.py --arch hysparse [--lengths 2048 4096] [--windows 2 1]
 
 For `--arch A` it validates `checkpoints/smollm2-A` (converted) and `checkpoints/smollm2-A-recovered`
+(or the `--variants` given: `checkpoints/smollm2-A-<variant>`)
 against `checkpoints/smollm2-135m-instruct` on the Python reference documentation (held out from
 recovery's training text), with `validate --fused-attention`. Each run's full report goes to
 `benchmarks/results/smollm2/validation/<arch>-<variant>-<len>/`, and a summary table to
@@ -70,8 +71,10 @@ def main(argv=None) -> int:
     parser.add_argument("--from-reports", action="store_true",
                         help="run nothing: summarise the per-run reports already in results/smollm2/validation/")
     args = parser.parse_args(argv)
-    paths = {"converted": REPO / "checkpoints" / f"smollm2-{args.arch}",
-             "recovered": REPO / "checkpoints" / f"smollm2-{args.arch}-recovered"}
+    # Variant v of arch A is checkpoints/smollm2-A-v; "converted" is checkpoints/smollm2-A itself
+    # (e.g. "init": the closed-form initialisation, `recovery init`).
+    paths = {v: REPO / "checkpoints" / (f"smollm2-{args.arch}" if v == "converted" else f"smollm2-{args.arch}-{v}")
+             for v in args.variants}
     runs = {}
     for variant in args.variants:
         for seq_len, windows in zip(args.lengths, args.windows):

@@ -4,6 +4,13 @@
     python -m vllm_hysparse.recovery train --teacher dense/ --student converted/ --delta delta/ \\
         [--out recovered/] [--stage1-minutes 15] [--stage2-minutes 30]
     python -m vllm_hysparse.recovery apply --base converted/ --delta delta/ --out recovered/
+    python -m vllm_hysparse.recovery init --teacher dense/ --student converted/ --out initialised/ \\
+        [--calibrate TEXT] [--tokens 4096]
+
+`init` is stage 0 (`recovery.init`): closed-form fits from teacher
+activations, folded into the converted checkpoint's own tensors; its report
+goes to `initialised/init.json`. Train from the initialised checkpoint as the
+delta's base.
 
 `train` writes `delta/delta.safetensors` (LoRA factors, sinks and bridge
 norms in bf16, with the rank and a digest of the base weights) and
@@ -29,11 +36,12 @@ from transformers.utils import logging as hf_logging
 import vllm_hysparse  # noqa: F401  (registers our configs and models)
 from vllm_hysparse.distill import save as save_checkpoint
 from vllm_hysparse.recovery import corpus
+from vllm_hysparse.recovery.init import initialise_checkpoint
 from vllm_hysparse.recovery.lora import apply_delta, attach_lora, delta_state
 from vllm_hysparse.recovery.train import Clock, HeldOut, end_to_end, local_transfer
 from vllm_hysparse.tools.staging import staged_output
 
-DELTA_FILE, REPORT_FILE = "delta.safetensors", "recovery.json"
+DELTA_FILE, REPORT_FILE, INIT_REPORT = "delta.safetensors", "recovery.json", "init.json"
 
 
 def windows_of(tokenizer, text: str, seq_len: int, count: int) -> list[torch.Tensor]:
@@ -129,6 +137,22 @@ def train(args) -> dict:
     return report
 
 
+def init(args) -> dict:
+    """Stage 0: fit the student on calibration windows of the teacher, write it to `args.out` with its report."""
+    torch.manual_seed(args.seed)
+    if args.calibrate:
+        text = Path(args.calibrate).read_text(encoding="utf-8", errors="replace")
+    else:
+        text = corpus.training_text(args.train_chars, args.seed)
+    student, report = initialise_checkpoint(args.teacher, args.student, text, tokens=args.tokens,
+                                            seq_len=args.seq_len, ridge=args.ridge, steps=tuple(args.steps.split(",")))
+    report.update(teacher=args.teacher, student=args.student, calibration=args.calibrate or "recovery.corpus")
+    out = Path(args.out)
+    save_checkpoint(student, args.student, out, args.force)
+    (out / INIT_REPORT).write_text(json.dumps(report, indent=2))
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -158,6 +182,18 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--delta", required=True)
     a.add_argument("--out", required=True)
     a.add_argument("--force", action="store_true")
+    i = sub.add_parser("init", help="stage 0: closed-form initialisation from teacher activations")
+    i.add_argument("--teacher", required=True, help="dense teacher checkpoint")
+    i.add_argument("--student", required=True, help="converted HySparse / HySparse2 checkpoint")
+    i.add_argument("--out", required=True, help="output directory for the initialised checkpoint")
+    i.add_argument("--force", action="store_true", help="replace an existing --out")
+    i.add_argument("--calibrate", help="calibration text file (default: the recovery training corpus)")
+    i.add_argument("--tokens", type=int, default=4096, help="calibration tokens")
+    i.add_argument("--seq-len", type=int, default=2048, help="calibration window length")
+    i.add_argument("--ridge", type=float, default=1e-4, help="ridge strength, relative to the input's power")
+    i.add_argument("--steps", default="bridges,kv_maps,gates", help="comma-separated init steps, in order")
+    i.add_argument("--train-chars", type=int, default=400_000)
+    i.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     # Errors are one line on stderr; transformers' per-checkpoint loading bars would bury them.
     hf_logging.disable_progress_bar()
@@ -165,6 +201,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "apply":
             rebuild(args.base, Path(args.delta), Path(args.out), args.force)
             print(f"wrote {args.out} ({args.base} + {args.delta})")
+            return 0
+        if args.command == "init":
+            report = init(args)
+            print(f"wrote {args.out} (stage 0 on {report['tokens']} calibration tokens; report {INIT_REPORT})")
             return 0
         report = train(args)
     except (OSError, ValueError, FileExistsError) as e:

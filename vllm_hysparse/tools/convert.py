@@ -645,12 +645,13 @@ def verify(conv: Conversion, out: Path, tol: float = 1e-3) -> str:
 
 
 def convert(conv: Conversion, dst: str | Path, *, force: bool = False, max_shard_bytes: int = 5 << 30,
-            check: bool = False) -> Path:
+            check: bool = False, calibrate=None) -> Path:
     """Write the converted checkpoint into a temporary directory beside `dst`, then move it there.
 
     Refuses a non-empty `dst` unless `force`; a failure (including `check`,
     the logits match against the teacher), Ctrl-C or kill leaves `dst`
-    untouched (see `vllm_hysparse.tools.staging`).
+    untouched (see `vllm_hysparse.tools.staging`). `calibrate(tmp)`, when
+    given, then rewrites the staged weights (`--calibrate`: recovery stage 0).
     """
     dst = Path(dst)
     _check_destination(conv.src, dst, force)
@@ -661,7 +662,28 @@ def convert(conv: Conversion, dst: str | Path, *, force: bool = False, max_shard
         check_written(conv.config, tmp)
         if check:
             print(verify(conv, tmp))
+        if calibrate is not None:
+            calibrate(tmp)
+            check_written(conv.config, tmp)
     return dst
+
+
+def calibrator(src: str, text_path: str, tokens: int, max_shard_size: str):
+    """`--calibrate`: stage 0 of recovery (`vllm_hysparse.recovery.init`) on the staged checkpoint, in place."""
+    text = Path(text_path).read_text(encoding="utf-8", errors="replace")
+
+    def run(tmp: Path) -> None:
+        from vllm_hysparse.recovery.init import initialise_checkpoint
+
+        student, report = initialise_checkpoint(src, tmp, text, tokens=tokens, seq_len=min(tokens, 2048))
+        for old in [*tmp.glob("*.safetensors"), *tmp.glob("*.safetensors.index.json")]:
+            old.unlink()
+        student.save_pretrained(tmp, max_shard_size=max_shard_size)
+        report["calibration"] = text_path
+        (tmp / "init.json").write_text(json.dumps(report, indent=2))
+        print(f"calibrate: stage 0 on {report['tokens']} tokens of {text_path} (report init.json)")
+
+    return run
 
 
 def _check_destination(src: Path, dst: Path, force: bool) -> None:
@@ -719,6 +741,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(loads both models in float32)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --dst")
     p.add_argument("--max-shard-size", default="5GB", help="output shard size, e.g. 500MB")
+    p.add_argument("--calibrate", metavar="TEXT", help="text file: fit the converted layers on the teacher's "
+                   "activations over it (recovery stage 0, see docs/recovery.md) instead of copying only")
+    p.add_argument("--calibrate-tokens", type=int, default=4096, help="calibration tokens (default 4096)")
     return p
 
 
@@ -745,8 +770,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"warning: {warning}", file=sys.stderr)
             if args.dry_run:
                 return 0
+            calibrate = (calibrator(src, args.calibrate, args.calibrate_tokens, args.max_shard_size)
+                         if args.calibrate else None)
             out = convert(conv, args.dst, force=args.force, max_shard_bytes=parse_size(args.max_shard_size),
-                          check=args.verify)
+                          check=args.verify, calibrate=calibrate)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
