@@ -1,8 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Per-layer attention microbenchmark on CPU: one decode step of each HySparse role against vLLM's dense CPU attention.
+"""Per-layer attention microbenchmark on CPU: each HySparse role against vLLM's dense CPU attention.
 
     python benchmarks/attention_micro.py                     # contexts 8192 and 32768, 8 decode requests
     python benchmarks/attention_micro.py --contexts 2048 --reps 3
+
+Two steps per context: one decode step of `--num-reqs` requests, and one prefill chunk of
+`--prefill-rows` rows of one request (the last rows of the context, as chunked prefill runs them).
+The HySparse oracle runs twice: the C++ tiled kernel (`csrc_triton/oracle/cpu_tiled.cpp`, the
+serving path) and the previous path (C++ decode kernel or PyTorch GEMMs, selection in PyTorch),
+so one run gives the before/after ratio.
 
 Shapes are the `small` presets' (HySparse: 12 heads, 4 KV groups, D 64, 16 blocks of 64;
 HySparse2: 12 heads, MQA, D 64, 1024 tokens + a 128 window). Every role runs the batched
@@ -16,13 +22,16 @@ warm-up. Writes `benchmarks/results/attention_micro_<date>_<HHMM>.{json,md}` and
 import argparse
 import datetime
 import json
+import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
+import csrc_triton.oracle.batched as oracle_batched
 from csrc_triton.block_sparse.batched import block_sparse_attention_batched
 from csrc_triton.oracle.batched import oracle_attention_batched
 from csrc_triton.paged_batch import make_plan
@@ -46,26 +55,27 @@ def median_ms(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def paged_batch(num_reqs, ctx, groups, dim, seed=0):
-    """Our logical page view `[pages, G, PAGE, 2D]` filled at random, a block table and decode metadata."""
+def paged_batch(num_reqs, ctx, groups, dim, seed=0, q_len=1):
+    """Our logical page view `[pages, G, PAGE, 2D]` filled at random, a block table and the step's metadata
+    (`q_len` query rows per request, the last of its `ctx` positions)."""
     g = torch.Generator().manual_seed(seed)
     pages_per_req = -(-ctx // PAGE)
     kv = torch.randn(num_reqs * pages_per_req + 1, groups, PAGE, 2 * dim, generator=g)
     table = (torch.randperm(num_reqs * pages_per_req, generator=g) + 1).view(num_reqs, pages_per_req).to(torch.int32)
-    qsl = torch.arange(num_reqs + 1, dtype=torch.int32)
+    qsl = torch.arange(num_reqs + 1, dtype=torch.int32) * q_len
     seq_lens = torch.full((num_reqs,), ctx, dtype=torch.int32)
     return kv, table, qsl, seq_lens
 
 
-def vllm_dense(num_reqs, ctx, heads, groups, dim, reps):
-    """vLLM's CPU decode attention over `ctx` keys per request (its own cache layout)."""
+def vllm_dense(num_reqs, ctx, heads, groups, dim, reps, q_len=1):
+    """vLLM's CPU attention over `ctx` keys per request (its own cache layout), `q_len` causal rows each."""
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    kv, table, qsl, seq_lens = paged_batch(num_reqs, ctx, groups, dim)
+    kv, table, qsl, seq_lens = paged_batch(num_reqs, ctx, groups, dim, q_len=q_len)
     cache = kv.view(kv.shape[0], groups, PAGE * 2, dim)
     key_cache, value_cache = cache.chunk(2, dim=2)
-    q = torch.randn(num_reqs, heads, dim)
+    q = torch.randn(num_reqs * q_len, heads, dim)
     out = torch.empty_like(q)
     isa = _get_attn_isa(torch.float32, PAGE, dim)
     meta = ops.cpu_attn_get_scheduler_metadata(num_reqs, heads, groups, dim, seq_lens, torch.float32, qsl, True, -1,
@@ -78,6 +88,40 @@ def vllm_dense(num_reqs, ctx, heads, groups, dim, reps):
     return median_ms(step, reps)
 
 
+def previous_oracle(fn):
+    """`fn` run on the oracle's previous CPU path (no tiled kernel)."""
+    def run():
+        saved = oracle_batched.tiled_kernel
+        oracle_batched.tiled_kernel = lambda *a: None
+        try:
+            return fn()
+        finally:
+            oracle_batched.tiled_kernel = saved
+    return run
+
+
+def hysparse_prefill(ctx, rows, reps):
+    """One prefill chunk: the last `rows` rows of one request of `ctx` positions."""
+    s = HYSPARSE
+    rows = min(rows, ctx)
+    kv, table, _, seq_lens = paged_batch(1, ctx, s["groups"], s["dim"])
+    qsl = torch.tensor([0, rows], dtype=torch.int32)
+    k_cache, v_cache = kv[..., :s["dim"]], kv[..., s["dim"]:]
+    q = torch.randn(rows, s["heads"], s["dim"])
+    plan = make_plan(qsl, seq_lens, rows, q.device)
+
+    def oracle():
+        return oracle_attention_batched(q, k_cache, v_cache, table, qsl, seq_lens, scale=0.125,
+                                        sparse_block_size=s["block"], topk=s["topk"], plan=plan)
+
+    return {
+        f"prefill {rows} rows: oracle (tiled C++)": median_ms(oracle, reps),
+        f"prefill {rows} rows: oracle (previous path)": median_ms(previous_oracle(oracle), reps),
+        f"prefill {rows} rows: dense (vLLM CPU, G=4)": vllm_dense(1, ctx, s["heads"], s["groups"], s["dim"], reps,
+                                                                 q_len=rows),
+    }
+
+
 def hysparse_roles(num_reqs, ctx, reps):
     s = HYSPARSE
     kv, table, qsl, seq_lens = paged_batch(num_reqs, ctx, s["groups"], s["dim"])
@@ -87,9 +131,13 @@ def hysparse_roles(num_reqs, ctx, reps):
     args = (q, k_cache, v_cache, table, qsl, seq_lens)
     _, ids = oracle_attention_batched(*args, scale=0.125, sparse_block_size=s["block"], topk=s["topk"], plan=plan)
     sinks = torch.zeros(s["heads"])
+
+    def oracle():
+        return oracle_attention_batched(*args, scale=0.125, sparse_block_size=s["block"], topk=s["topk"], plan=plan)
+
     return {
-        "oracle": median_ms(lambda: oracle_attention_batched(
-            *args, scale=0.125, sparse_block_size=s["block"], topk=s["topk"], plan=plan), reps),
+        "oracle (tiled C++)": median_ms(oracle, reps),
+        "oracle (previous path)": median_ms(previous_oracle(oracle), reps),
         "block_sparse": median_ms(lambda: block_sparse_attention_batched(
             *args, ids, scale=0.125, sparse_block_size=s["block"], sinks=sinks, plan=plan), reps),
         "metrics (pages_touched)": median_ms(lambda: pages_touched(ids, plan.row_pos, s["block"], PAGE), reps),
@@ -116,14 +164,16 @@ def hysparse2_roles(num_reqs, ctx, reps):
 
 
 def markdown(result) -> str:
-    lines = [f"# Attention microbenchmark (CPU, float32, one decode step of {result['num_reqs']} requests)", "",
-             f"`{result['command']}` on {result['machine']}, torch {result['torch']}; median of "
+    lines = [f"# Attention microbenchmark (CPU, float32, one decode step of {result['num_reqs']} requests, one prefill chunk)", "",
+             f"`{result['command']}` on {result['machine']}, torch {result['torch']}, load average before the run "
+             f"{result.get('load', '?')}; median of "
              f"{result['reps']} runs, ms per layer call.", "",
              "| context | role | ms | vs dense |", "| ---: | --- | ---: | ---: |"]
     for ctx, arches in result["contexts"].items():
         for arch, roles in arches.items():
-            dense = next(v for k, v in roles.items() if k.startswith("dense"))
             for role, ms in roles.items():
+                prefix = role.split(": ")[0] + ": " if ": " in role else ""
+                dense = next(v for k, v in roles.items() if k.startswith(prefix + "dense"))
                 lines.append(f"| {ctx} | {arch} {role} | {ms:.2f} | {ms / dense:.2f}x |")
     return "\n".join(lines) + "\n"
 
@@ -133,15 +183,19 @@ def main(argv=None) -> int:
     parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768])
     parser.add_argument("--num-reqs", type=int, default=8)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--prefill-rows", type=int, default=2048, help="rows of the prefill chunk (0: none)")
     parser.add_argument("--results", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
     torch.set_grad_enabled(False)
-    result = {"command": "python benchmarks/attention_micro.py " + " ".join(argv or []),
+    result = {"command": "python benchmarks/attention_micro.py " + " ".join(argv or sys.argv[1:]),
+              "load": " ".join(f"{x:.2f}" for x in os.getloadavg()),
               "machine": f"{platform.machine()} {torch.get_num_threads()} threads", "torch": torch.__version__,
               "num_reqs": args.num_reqs, "reps": args.reps, "contexts": {}}
     for ctx in args.contexts:
         result["contexts"][ctx] = {"HySparse": hysparse_roles(args.num_reqs, ctx, args.reps),
                                    "HySparse2": hysparse2_roles(args.num_reqs, ctx, args.reps)}
+        if args.prefill_rows:
+            result["contexts"][ctx]["HySparse prefill"] = hysparse_prefill(ctx, args.prefill_rows, args.reps)
     text = markdown(result)
     print(text)
     args.results.mkdir(parents=True, exist_ok=True)

@@ -12,12 +12,16 @@ Both kernels read V as wide as K (pages of `[G, page, 2D]`); a cache with
 import hashlib
 import logging
 import os
+import sys
 import threading
+import time
 from pathlib import Path
 
 CPU_EXT_ENV = "VLLM_HYSPARSE_CPU_EXT"
 _SOURCES = {"oracle_decode": Path(__file__).parent / "oracle" / "cpu_decode.cpp",
+            "oracle_tiled": Path(__file__).parent / "oracle" / "cpu_tiled.cpp",
             "sparse": Path(__file__).parent / "cpu_sparse.cpp"}
+NAMES = tuple(_SOURCES)
 # -ffast-math lets GCC call glibc's vector expf; -fno-finite-math-only keeps the -inf masks exact.
 # -fopenmp: at::parallel_for is OpenMP in the header, and serial without it.
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"]
@@ -27,18 +31,56 @@ logger = logging.getLogger("vllm.hysparse")
 
 
 def _build_tag(source: Path) -> str:
-    """Key of a build in torch's extension cache: this CPU's flags and the source's path.
+    """Key of a build in torch's extension cache: this CPU's flags, the source's path and the environment.
 
     Builds use -march=native, so no build may run on another CPU. The path
-    keeps two checkouts from sharing one cache entry: torch rebuilds an entry
-    whose source path changed, so they would rebuild it in turn, each waiting
-    on the other's lock (and a build killed midway leaves a lock behind).
+    keeps two checkouts from sharing one cache entry, and the environment
+    (`sys.prefix`, torch's version) two virtual environments over one
+    checkout: torch rebuilds an entry whose source path or compile flags
+    changed, so they would rebuild it in turn, each waiting on the other's
+    lock (and a build killed midway leaves a lock behind).
     """
+    import torch
+
     try:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
         flags = os.uname().machine
-    return hashlib.sha1(f"{flags}\n{source.resolve()}".encode()).hexdigest()[:10]
+    key = f"{flags}\n{source.resolve()}\n{Path(sys.prefix).resolve()}\n{torch.__version__}"
+    return hashlib.sha1(key.encode()).hexdigest()[:10]
+
+
+def _module_name(name: str) -> str:
+    return f"hysparse_{name}_{_build_tag(_SOURCES[name])}"
+
+
+def _is_built(name: str) -> bool:
+    """Whether torch's extension cache holds a build of `name` at least as new as its sources."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    module = _module_name(name)
+    lib = Path(_get_build_directory(module, verbose=False)) / f"{module}.so"
+    sources = (_SOURCES[name], Path(__file__).parent / "cpu_online_softmax.h")
+    return lib.exists() and lib.stat().st_mtime >= max(s.stat().st_mtime for s in sources if s.exists())
+
+
+def preload(names=NAMES) -> None:
+    """Load (building where needed) the kernels `names` now: at model load, never inside a request.
+
+    A build (once per machine, checkout and environment; about a minute) gets one log line.
+    """
+    for name in names:
+        with _LOCK:
+            if name in _LOADED:
+                continue
+            if os.environ.get(CPU_EXT_ENV, "1") not in ("0", "false", "False") and not _is_built(name):
+                logger.info("HySparse: building the C++ CPU kernel %s (once per machine, checkout and "
+                            "environment)", name)
+                t0 = time.perf_counter()
+                _LOADED[name] = _build(name)
+                logger.info("HySparse: C++ CPU kernel %s built in %.0f s", name, time.perf_counter() - t0)
+            else:
+                _LOADED[name] = _build(name)
 
 
 def load(name: str = "oracle_decode"):
@@ -55,7 +97,7 @@ def _build(name: str):
     try:
         from torch.utils.cpp_extension import load as jit_load
 
-        return jit_load(name=f"hysparse_{name}_{_build_tag(_SOURCES[name])}", sources=[str(_SOURCES[name])],
+        return jit_load(name=_module_name(name), sources=[str(_SOURCES[name])],
                         extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the PyTorch path
         logger.warning("HySparse C++ CPU kernel %s unavailable (%s: %s); using the PyTorch path",

@@ -29,7 +29,7 @@ fi
 # brings them back.
 "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 # Build the C++ CPU kernels now (cached per machine) rather than in the first engine start.
-"$VENV/bin/python" -c "from csrc_triton import cpu_ext; ok = all(cpu_ext.load(n) for n in ('oracle_decode', 'sparse')); print('[setup] C++ CPU kernels:', 'built' if ok else 'unavailable, PyTorch path')"
+"$VENV/bin/python" -c "from csrc_triton import cpu_ext; ok = all(cpu_ext.load(n) for n in cpu_ext.NAMES); print('[setup] C++ CPU kernels:', 'built' if ok else 'unavailable, PyTorch path')"
 "$VENV/bin/python" - <<'PY'
 import importlib
 for name in ("torch", "transformers", "vllm", "vllm_hysparse"):

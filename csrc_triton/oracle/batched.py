@@ -1,15 +1,21 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Oracle attention as batched PyTorch: the CPU serving path (same contract as `oracle_attention`).
+"""Oracle attention on the CPU serving path (same contract as `oracle_attention`).
 
-One set of logits gives both the exact output and the block maxima of Eq. 3,
-so every key is scored once. Decode rows of all requests run together.
+Where the C++ tiled kernel is built (float32, vLLM's interleaved pages on the
+CPU, D_k == D_v, a compiled head dim), every row of the step, decode and
+prefill, runs one tiled pass over its request's pages (`cpu_tiled.cpp`):
+online softmax, running block maxima, Eq. 3 scores from the final statistics,
+top-k over blocks, written straight into `indices`. Otherwise, in batched
+PyTorch, one set of logits gives both the exact output and the block maxima,
+so every key is scored once, and decode rows of all requests run together.
 """
 
 import torch
 
+from csrc_triton import cpu_ext
 from csrc_triton.oracle.naive import top_blocks
 from csrc_triton.paged_args import check_paged_batch, kv_scaled
-from csrc_triton.paged_batch import BatchPlan, oracle_attention_rows, plan_or_make
+from csrc_triton.paged_batch import BatchPlan, cpu_kernel_pages, oracle_attention_rows, plan_or_make
 
 
 def select_blocks(z, lse, limit, sparse_block_size: int, topk: int):
@@ -34,17 +40,54 @@ def select_blocks(z, lse, limit, sparse_block_size: int, topk: int):
     return ids.view(b, r, g, topk)
 
 
+def tiled_kernel(q, k_cache, v_cache):
+    """`(module, pages)` of the C++ tiled oracle for these inputs, or None where it does not apply."""
+    base = cpu_kernel_pages(k_cache, v_cache)
+    if base is None or q.dtype != torch.float32:
+        return None
+    ext = cpu_ext.load("oracle_tiled")
+    if ext is None or q.shape[-1] not in ext.SUPPORTED_DIMS:
+        return None
+    return ext, base
+
+
 @kv_scaled
 def oracle_attention_batched(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, *, scale,
-                             sparse_block_size, topk, out=None, plan: BatchPlan | None = None):
-    """`oracle_attention` in batched PyTorch; `plan` (from `make_plan`) spares the host read of the batch layout.
+                             sparse_block_size, topk, out=None, plan: BatchPlan | None = None,
+                             indices: torch.Tensor | None = None, return_block_scores: bool = False):
+    """`oracle_attention` on the CPU; `plan` (from `make_plan`) spares the host read of the batch layout.
 
-    Returns out `[T, H, Dv]` and indices `[T, G, topk]` int32; rows past the last request get 0 and -1.
+    Args:
+        indices: `[T, G, topk]` int32 to write the block ids into (e.g. the layer's index buffer), or None.
+        return_block_scores: also return the Eq. 3 group scores `[T, G, NB]` (tests; C++ kernel only).
+    Returns:
+        out `[T, H, Dv]` and indices `[T, G, topk]` int32; rows past the last request get 0 and -1.
     """
     out, _ = check_paged_batch(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, out)
     plan = plan_or_make(plan, query_start_loc, seq_lens, q.shape[0])
-    indices = torch.full((q.shape[0], k_cache.shape[1], topk), -1, dtype=torch.int32, device=q.device)
-    out[plan.num_tokens:].zero_()
+    shape = (q.shape[0], k_cache.shape[1], topk)
+    if indices is None:
+        indices = torch.empty(shape, dtype=torch.int32, device=q.device)
+    assert indices.shape == shape and indices.dtype == torch.int32, f"indices: expected {list(shape)} int32"
+    n = plan.num_tokens
+    out[n:].zero_()
+    indices[n:].fill_(-1)
+    tiled = tiled_kernel(q, k_cache, v_cache)
+    if tiled is not None:
+        ext, base = tiled
+        rows = q[:n] if q.stride(1) == q.shape[2] and q.stride(2) == 1 else q[:n].contiguous()
+        o = out[:n] if out.is_contiguous() else torch.empty_like(out[:n])
+        ids = indices[:n] if indices[:n].stride()[1:] == (topk, 1) else torch.empty_like(indices[:n])
+        num_scores = -(-int(seq_lens.max()) // sparse_block_size) if return_block_scores and n else 0
+        scores = torch.zeros(q.shape[0] if num_scores else 0, k_cache.shape[1], num_scores)
+        ext.oracle_tiled(rows, base, block_table, plan.row_req, plan.row_pos, sparse_block_size, topk, scale, o, ids,
+                         scores[:n])
+        if o.data_ptr() != out.data_ptr():
+            out[:n] = o
+        if ids.data_ptr() != indices.data_ptr():
+            indices[:n] = ids
+        return (out, indices, scores) if return_block_scores else (out, indices)
+    assert not return_block_scores, "block scores are returned by the C++ tiled kernel only"
 
     def select(z, lse, limit):
         return select_blocks(z, lse, limit, sparse_block_size, topk)

@@ -41,11 +41,12 @@ scales of the layer that owns (and wrote) it.
 import importlib
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 from vllm.forward_context import get_forward_context
+from vllm.platforms import current_platform
 from vllm.utils.torch_utils import is_quantized_kv_cache
 from vllm.v1.attention.backend import (
     AttentionBackend,
@@ -57,6 +58,7 @@ from vllm.v1.attention.backend import (
     MultipleOf,
 )
 
+from csrc_triton import cpu_ext
 from csrc_triton.paged_args import FP8_KV_DTYPE
 from csrc_triton.paged_batch import BatchPlan, make_plan
 from vllm_hysparse.attention.paged import split_kv_cache, write_kv
@@ -126,6 +128,8 @@ class HySparseMetadata:
     block_table: torch.Tensor  # [num_reqs, max_pages] int32
     max_seq_len: int  # host upper bound on seq_lens
     plan: BatchPlan  # decode rows, prefill runs and row positions, computed on the host once per step
+    # per-step tensors derived from `plan`, built by the first layer that needs them (`window_positions`)
+    derived: dict = field(default_factory=dict)
 
 
 class HySparseMetadataBuilder(AttentionMetadataBuilder[HySparseMetadata]):
@@ -186,6 +190,14 @@ def window_positions(row_pos: torch.Tensor, num_rows: int, num_kv_heads: int, wi
     ids = (pos - window + 1).clamp_min(0)[:, None] + offsets
     ids = torch.where(offsets[None, :] < torch.clamp(pos + 1, max=window)[:, None], ids, -1)
     return ids.to(torch.int32)[:, None, :].expand(num_rows, num_kv_heads, window)
+
+
+def step_window_positions(meta: "HySparseMetadata", num_rows: int, num_kv_heads: int, window: int) -> torch.Tensor:
+    """`window_positions` of this step, built once and shared by every window layer of the step."""
+    key = ("window", num_rows, num_kv_heads, window)
+    if key not in meta.derived:
+        meta.derived[key] = window_positions(meta.plan.row_pos, num_rows, num_kv_heads, window)
+    return meta.derived[key]
 
 
 @dataclass(frozen=True)
@@ -289,6 +301,9 @@ class HySparseAttentionImpl(AttentionImpl):
         self.selection = selection
         self.sinks = sinks
         self._kernel: tuple[str, Callable] | None = None  # (path, function), resolved on the first call
+        if current_platform.is_cpu() and kernel_path(torch.device("cpu")) == "torch":
+            # at model load: a build needed here must never happen inside a request (one log line if it runs)
+            cpu_ext.preload()
         self._cache_owner = None  # the layer whose K/V scales this layer's cache holds, found on the first call
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
@@ -336,18 +351,21 @@ class HySparseAttentionImpl(AttentionImpl):
         if role.reads_index:
             args.append(self.index_buffer[:n])
         if role.reads_window:
-            args.append(window_positions(meta.plan.row_pos, n, self.num_kv_heads, self.selection.window))
+            args.append(step_window_positions(meta, n, self.num_kv_heads, self.selection.window))
         kwargs = role.kwargs(self)
         if key_cache.dtype == FP8_KV_DTYPE:
             kwargs["k_scale"], kwargs["v_scale"] = self._kv_scales(layer)
         if path == "torch":
             kwargs["plan"] = meta.plan
+            if role.publishes and self.role == "oracle":
+                kwargs["indices"] = self.index_buffer[:n]  # the kernel writes the followers' ids in place
         elif role.bounded_by_seq_len:
             kwargs["max_seq_len"] = meta.max_seq_len
         result = kernel(*args, scale=self.scale, out=output[:n], **kwargs)
         if role.publishes:
             ids = result[1]
-            self.index_buffer[:n].copy_(ids)
+            if ids.data_ptr() != self.index_buffer.data_ptr():
+                self.index_buffer[:n].copy_(ids)
             worker_stats().add(ids[:meta.plan.num_tokens], meta.plan.row_pos, role.positions_per_id(self),
                                key_cache.shape[2])
         return output

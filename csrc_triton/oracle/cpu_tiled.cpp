@@ -1,0 +1,313 @@
+// SPDX-License-Identifier: Apache-2.0
+// The HySparse oracle on the CPU as one tiled pass (SPEC §3.1): exact causal attention of every
+// query row of a step (decode rows and prefill rows, chunked prefill included) over its request's
+// pages, plus the top-k blocks of Eq. 3, without materialising the [rows, context] logits.
+//
+// A task is a tile of up to TILE_ROWS consecutive rows of one request and one KV group: its query
+// vectors (rows x the group's heads) walk the request's keys KEYS at a time, straight from the
+// pages, with an online softmax. Each query vector keeps the running max u of every sparse block it
+// has seen; after the pass its final statistics turn u into the Eq. 3 score exp(u - lse), the group
+// keeps the max over its heads, and the top-k runs over those block scores.
+//
+// Dot products run over keys with vector FMAs: a tile's keys are transposed once into a [D, KEYS]
+// scratch (L1-resident) and every query vector of the task reuses it, so one FMA scores 8 keys.
+// Decode tiles have few query vectors, which would not repay the transpose: they dot each key
+// directly (FMAs over the head dim, one horizontal sum per key and head).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+namespace {
+
+typedef float v8 __attribute__((vector_size(32)));
+constexpr int64_t KEYS = 32;       // keys per tile (4 vectors of 8)
+constexpr int64_t TILE_ROWS = 16;  // rows per prefill task
+constexpr int64_t DIRECT_MAX = 4;  // tasks with at most this many query vectors dot keys directly
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+inline v8 load8(const float* p) {
+  v8 x;
+  __builtin_memcpy(&x, p, sizeof(x));
+  return x;
+}
+inline void store8(float* p, v8 x) { __builtin_memcpy(p, &x, sizeof(x)); }
+inline v8 splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
+inline float hsum(v8 x) {
+  return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
+}
+
+struct Problem {
+  const float* q;       // [N, H, D]
+  const float* kv;      // pages of [G, page, 2D]
+  const int32_t* bt;    // [R, max_pages]
+  const int64_t* reqs;  // [N]
+  const int64_t* pos;   // [N]
+  float* out;           // [N, H, D]
+  int32_t* ids;         // [N, G, topk] at row stride s_ids
+  float* scores;        // [N, G, n_scores] or nullptr
+  int64_t heads, groups, page, block, topk, n_scores, s_page, s_group, s_tok, s_bt, s_q, s_ids;
+  float scale;
+};
+
+struct Task {
+  int64_t row0, rows, group, keys;  // keys: the tile's longest context (its largest position + 1)
+};
+
+// Scores of `count` keys (< KEYS), pointers `kp`, for `nq` query vectors `qs` [nq, DIM] -> s [nq, KEYS].
+template <int DIM>
+void score_direct(const float* qs, int64_t nq, const float* const* kp, int64_t count, float* s) {
+  constexpr int NV = DIM / 8;
+  for (int64_t j = 0; j < count; ++j) {
+    v8 k[NV];
+    for (int c = 0; c < NV; ++c) k[c] = load8(kp[j] + 8 * c);
+    for (int64_t i = 0; i < nq; ++i) {
+      const float* qi = qs + i * DIM;
+      v8 a = splat(0.f), b = splat(0.f);
+      for (int c = 0; c + 1 < NV; c += 2) {
+        a += load8(qi + 8 * c) * k[c];
+        b += load8(qi + 8 * c + 8) * k[c + 1];
+      }
+      if (NV % 2) a += load8(qi + 8 * (NV - 1)) * k[NV - 1];
+      s[i * KEYS + j] = hsum(a + b);
+    }
+  }
+}
+
+// Same result through a transposed tile kt [DIM, KEYS]: 8 keys per FMA, two query vectors at a time.
+template <int DIM>
+void score_tiled(const float* qs, int64_t nq, const float* kt, float* s) {
+  int64_t i = 0;
+  for (; i + 1 < nq; i += 2) {
+    const float* q0 = qs + i * DIM;
+    const float* q1 = q0 + DIM;
+    v8 a0 = splat(0.f), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    for (int d = 0; d < DIM; ++d) {
+      const float* r = kt + d * KEYS;
+      const v8 k0 = load8(r), k1 = load8(r + 8), k2 = load8(r + 16), k3 = load8(r + 24);
+      const v8 x = splat(q0[d]), y = splat(q1[d]);
+      a0 += x * k0; a1 += x * k1; a2 += x * k2; a3 += x * k3;
+      b0 += y * k0; b1 += y * k1; b2 += y * k2; b3 += y * k3;
+    }
+    float* s0 = s + i * KEYS;
+    store8(s0, a0); store8(s0 + 8, a1); store8(s0 + 16, a2); store8(s0 + 24, a3);
+    store8(s0 + KEYS, b0); store8(s0 + KEYS + 8, b1); store8(s0 + KEYS + 16, b2); store8(s0 + KEYS + 24, b3);
+  }
+  for (; i < nq; ++i) {
+    const float* q0 = qs + i * DIM;
+    v8 a0 = splat(0.f), a1 = a0, a2 = a0, a3 = a0;
+    for (int d = 0; d < DIM; ++d) {
+      const float* r = kt + d * KEYS;
+      const v8 x = splat(q0[d]);
+      a0 += x * load8(r); a1 += x * load8(r + 8); a2 += x * load8(r + 16); a3 += x * load8(r + 24);
+    }
+    float* s0 = s + i * KEYS;
+    store8(s0, a0); store8(s0 + 8, a1); store8(s0 + 16, a2); store8(s0 + 24, a3);
+  }
+}
+
+// acc [DIM] += sum_j p[j] * V_j over `count` keys, 64 dims of registers at a time.
+template <int DIM>
+inline void accumulate(float* acc, const float* p, const float* const* vp, int64_t count) {
+  for (int d0 = 0; d0 < DIM; d0 += 64) {
+    constexpr int NV_ALL = DIM / 8;
+    const int nv = std::min(8, NV_ALL - d0 / 8);
+    v8 a[8];
+    for (int c = 0; c < 8; ++c) a[c] = c < nv ? load8(acc + d0 + 8 * c) : splat(0.f);
+    for (int64_t j = 0; j < count; ++j) {
+      if (p[j] == 0.f) continue;
+      const v8 w = splat(p[j]);
+      const float* v = vp[j] + d0;
+      for (int c = 0; c < 8; ++c)
+        if (c < nv) a[c] += w * load8(v + 8 * c);
+    }
+    for (int c = 0; c < nv; ++c) store8(acc + d0 + 8 * c, a[c]);
+  }
+}
+
+template <int DIM>
+void run_task(const Problem& pb, const Task& tk, std::vector<float>& buf) {
+  const int64_t per_group = pb.heads / pb.groups, nq = tk.rows * per_group;
+  const int64_t nb = (tk.keys + pb.block - 1) / pb.block;
+  const bool direct = nq <= DIRECT_MAX;
+  // scratch: queries, transposed keys, scores, accumulators, running max / sum, block maxima, limits
+  const size_t need = nq * DIM + DIM * KEYS + nq * KEYS + nq * DIM + 2 * nq + nq * nb + nq;
+  if (buf.size() < need) buf.resize(need);
+  float* qs = buf.data();
+  float* kt = qs + nq * DIM;
+  float* s = kt + DIM * KEYS;
+  float* acc = s + nq * KEYS;
+  float* m = acc + nq * DIM;
+  float* l = m + nq;
+  float* u = l + nq;
+  float* lim = u + nq * nb;  // each query vector's position, as a float index bound
+  const float* kp[KEYS];
+  const float* vp[KEYS];
+  for (int64_t r = 0; r < tk.rows; ++r) {
+    const int64_t row = tk.row0 + r;
+    for (int64_t p = 0; p < per_group; ++p) {
+      const float* src = pb.q + row * pb.s_q + (tk.group * per_group + p) * DIM;
+      float* dst = qs + (r * per_group + p) * DIM;
+      for (int d = 0; d < DIM; ++d) dst[d] = src[d] * pb.scale;
+      lim[r * per_group + p] = static_cast<float>(pb.pos[row]);
+    }
+  }
+  std::fill(acc, acc + nq * DIM, 0.f);
+  std::fill(m, m + nq, NEG_INF);
+  std::fill(l, l + nq, 0.f);
+  std::fill(u, u + nq * nb, NEG_INF);
+  const int32_t* pages = pb.bt + pb.reqs[tk.row0] * pb.s_bt;
+  const float* base = pb.kv + tk.group * pb.s_group;
+  for (int64_t k0 = 0; k0 < tk.keys; k0 += KEYS) {
+    const int64_t count = std::min(KEYS, tk.keys - k0);
+    for (int64_t j = 0; j < count; ++j) {
+      const int64_t t = k0 + j;
+      kp[j] = base + pages[t / pb.page] * pb.s_page + (t % pb.page) * pb.s_tok;
+      vp[j] = kp[j] + DIM;
+    }
+    if (direct) {
+      score_direct<DIM>(qs, nq, kp, count, s);
+    } else {
+      for (int64_t j = 0; j < KEYS; ++j) {
+        if (j < count) {
+          for (int d = 0; d < DIM; ++d) kt[d * KEYS + j] = kp[j][d];
+        } else {
+          for (int d = 0; d < DIM; ++d) kt[d * KEYS + j] = 0.f;
+        }
+      }
+      score_tiled<DIM>(qs, nq, kt, s);
+    }
+    for (int64_t i = 0; i < nq; ++i) {
+      const int64_t visible = std::min<int64_t>(count, static_cast<int64_t>(lim[i]) - k0 + 1);
+      if (visible <= 0) continue;  // every key of the tile is past this row
+      float* si = s + i * KEYS;
+      float* ui = u + i * nb;
+      float mt = m[i];
+      for (int64_t j = 0; j < visible; ++j) {
+        mt = std::max(mt, si[j]);
+        const int64_t b = (k0 + j) / pb.block;
+        ui[b] = std::max(ui[b], si[j]);
+      }
+      const float rescale = std::exp(m[i] - mt);  // 0 while nothing was seen (m = -inf)
+      float sum = 0.f;
+      for (int64_t j = 0; j < visible; ++j) {
+        si[j] = std::exp(si[j] - mt);
+        sum += si[j];
+      }
+      l[i] = l[i] * rescale + sum;
+      m[i] = mt;
+      float* ai = acc + i * DIM;
+      if (rescale != 1.f)
+        for (int d = 0; d < DIM; ++d) ai[d] *= rescale;
+      accumulate<DIM>(ai, si, vp, visible);
+    }
+  }
+  // outputs, Eq. 3 scores (group max over heads) and the top-k of each row
+  std::vector<float> score(nb);
+  std::vector<int32_t> order(nb);
+  for (int64_t r = 0; r < tk.rows; ++r) {
+    const int64_t row = tk.row0 + r;
+    const int64_t n_vis = pb.pos[row] / pb.block + 1;  // blocks holding at least one visible key
+    std::fill(score.begin(), score.end(), 0.f);
+    for (int64_t p = 0; p < per_group; ++p) {
+      const int64_t i = r * per_group + p;
+      const float inv = 1.f / l[i], lse = m[i] + std::log(l[i]);
+      float* o = pb.out + (row * pb.heads + tk.group * per_group + p) * DIM;
+      for (int d = 0; d < DIM; ++d) o[d] = acc[i * DIM + d] * inv;
+      for (int64_t b = 0; b < n_vis; ++b) score[b] = std::max(score[b], std::exp(u[i * nb + b] - lse));
+    }
+    if (pb.scores != nullptr) {
+      float* sc = pb.scores + (row * pb.groups + tk.group) * pb.n_scores;
+      for (int64_t b = 0; b < pb.n_scores; ++b) sc[b] = b < n_vis ? score[b] : 0.f;
+    }
+    // top-k over the visible blocks: best first, ties to the smaller id; written ascending, -1 padded
+    const int64_t k = std::min(pb.topk, n_vis);
+    std::iota(order.begin(), order.begin() + n_vis, 0);
+    std::partial_sort(order.begin(), order.begin() + k, order.begin() + n_vis, [&](int32_t a, int32_t b) {
+      return score[a] > score[b] || (score[a] == score[b] && a < b);
+    });
+    std::sort(order.begin(), order.begin() + k);
+    int32_t* dst = pb.ids + row * pb.s_ids + tk.group * pb.topk;
+    for (int64_t j = 0; j < pb.topk; ++j) dst[j] = j < k ? order[j] : -1;
+  }
+}
+
+template <int DIM>
+void run_all(const Problem& pb, const std::vector<Task>& tasks) {
+  // dynamic scheduling, longest tasks first: prefill tiles differ in length (causal), decode rows too
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    std::vector<float> buf;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < static_cast<int64_t>(tasks.size()); ++t) run_task<DIM>(pb, tasks[t], buf);
+  }
+}
+
+// q [N, H, D] (rows with a contiguous last dim), kv [pages, G, page, 2D] float32 (K then V);
+// reqs, pos [N] int64 (each row's request and position). Writes out [N, H, D] (contiguous float32),
+// ids [N, G, topk] int32 (contiguous last two dims; e.g. a view of the index buffer) and, when
+// `scores` is not empty, the block scores [N, G, n_scores] (0 past each row's visible blocks).
+void oracle_tiled(torch::Tensor q, torch::Tensor kv, torch::Tensor block_table, torch::Tensor reqs,
+                  torch::Tensor pos, int64_t block, int64_t topk, double scale, torch::Tensor out,
+                  torch::Tensor ids, torch::Tensor scores) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "q: expected [N, H, D] float32 with contiguous heads");
+  TORCH_CHECK(kv.dim() == 4 && kv.scalar_type() == torch::kFloat32 && kv.stride(3) == 1,
+              "kv: expected [pages, G, page, 2D] float32 with a contiguous last dim");
+  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && block_table.stride(1) == 1,
+              "block_table: expected int32 with contiguous rows");
+  TORCH_CHECK(reqs.scalar_type() == torch::kLong && pos.scalar_type() == torch::kLong && reqs.is_contiguous() &&
+                  pos.is_contiguous(), "reqs, pos: contiguous int64");
+  const int64_t n = q.size(0), heads = q.size(1), dim = q.size(2), groups = kv.size(1);
+  TORCH_CHECK(kv.size(3) == 2 * dim && heads % groups == 0, "inconsistent shapes of q and kv");
+  TORCH_CHECK(reqs.size(0) == n && pos.size(0) == n, "reqs, pos: one entry per row");
+  TORCH_CHECK(block >= 1 && topk >= 0, "block size must be positive, topk non-negative");
+  TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.is_contiguous() && out.size(0) == n &&
+                  out.size(1) == heads && out.size(2) == dim, "out: expected contiguous [N, H, D] float32");
+  TORCH_CHECK(ids.scalar_type() == torch::kInt32 && ids.dim() == 3 && ids.size(0) == n && ids.size(1) == groups &&
+                  ids.size(2) == topk && ids.stride(2) == 1 && ids.stride(1) == topk,
+              "ids: expected [N, G, topk] int32 with contiguous (G, topk) dims");
+  const bool has_scores = scores.numel() > 0;
+  if (has_scores)
+    TORCH_CHECK(scores.scalar_type() == torch::kFloat32 && scores.is_contiguous() && scores.size(0) == n &&
+                    scores.size(1) == groups, "scores: expected contiguous [N, G, NB] float32");
+  const Problem pb{q.data_ptr<float>(), kv.data_ptr<float>(), block_table.data_ptr<int32_t>(),
+                   reqs.data_ptr<int64_t>(), pos.data_ptr<int64_t>(), out.data_ptr<float>(), ids.data_ptr<int32_t>(),
+                   has_scores ? scores.data_ptr<float>() : nullptr, heads, groups, kv.size(2), block, topk,
+                   has_scores ? scores.size(2) : 0, kv.stride(0), kv.stride(1), kv.stride(2),
+                   block_table.stride(0), q.stride(0), ids.stride(0), static_cast<float>(scale)};
+  // tiles of consecutive rows of one request (a request's rows are contiguous in a vLLM batch)
+  const int64_t* rq = pb.reqs;
+  const int64_t* ps = pb.pos;
+  std::vector<Task> tasks;
+  for (int64_t r0 = 0; r0 < n;) {
+    int64_t r1 = r0 + 1, last = ps[r0];
+    while (r1 < n && r1 - r0 < TILE_ROWS && rq[r1] == rq[r0]) last = std::max(last, ps[r1++]);
+    for (int64_t g = 0; g < groups; ++g) tasks.push_back({r0, r1 - r0, g, last + 1});
+    r0 = r1;
+  }
+  std::stable_sort(tasks.begin(), tasks.end(),
+                   [](const Task& a, const Task& b) { return a.keys * a.rows > b.keys * b.rows; });
+  switch (dim) {
+#define HYSPARSE_DIM(D) \
+  case D: run_all<D>(pb, tasks); break;
+    HYSPARSE_DIM(16) HYSPARSE_DIM(32) HYSPARSE_DIM(48) HYSPARSE_DIM(64) HYSPARSE_DIM(80) HYSPARSE_DIM(96)
+    HYSPARSE_DIM(112) HYSPARSE_DIM(128) HYSPARSE_DIM(160) HYSPARSE_DIM(192) HYSPARSE_DIM(256)
+#undef HYSPARSE_DIM
+    default: TORCH_CHECK(false, "oracle_tiled: head dim ", dim, " not compiled (see SUPPORTED_DIMS)");
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("oracle_tiled", &oracle_tiled,
+        "Oracle attention of every row over its request's pages, one tiled pass, top-k blocks of Eq. 3");
+  m.attr("SUPPORTED_DIMS") = std::vector<int64_t>{16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 256};
+}
