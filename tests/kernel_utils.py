@@ -141,6 +141,18 @@ class Case:
                 f"{dv_tag(self)}-P{self.page_size}-B{self.block_size}-K{self.topk}-{self.layout}").replace(" ", "")
 
 
+@dataclass
+class TokenCase(Case):
+    """A paged batch shape for the token-oracle and token-sparse kernel tests: a window, no key blocks."""
+
+    topk: int = 16
+    window: int = 8
+
+    def __str__(self):
+        return (f"q{self.q_lens}-s{self.seq_lens}-H{self.num_heads}-G{self.num_kv_heads}-D{self.head_dim}"
+                f"{dv_tag(self)}-P{self.page_size}-K{self.topk}-W{self.window}-{self.layout}").replace(" ", "")
+
+
 def dv_tag(case) -> str:
     """`-Dv<n>` in a case id when its value head dim is its own."""
     return "" if case.head_dim_v is None else f"-Dv{case.head_dim_v}"

@@ -1,34 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 """Token oracle attention (HySparse2 cross full layer): naive vs the dense reference ops, Triton vs naive."""
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 
 from csrc_triton.token_oracle import token_oracle_attention, token_oracle_attention_naive
 from csrc_triton.token_oracle.kernel import token_oracle_fwd
-from tests.kernel_utils import DEVICE, dv_tag, make_paged_batch, nan_like, nan_out
+from tests.kernel_utils import DEVICE, TokenCase, make_paged_batch, nan_like, nan_out
 from vllm_hysparse.reference import ops
 
 
-@dataclass
-class Case:
-    q_lens: list[int]
-    seq_lens: list[int]
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = 32
-    page_size: int = 16
-    topk: int = 16
-    window: int = 8
-    layout: str = "hnd"
-    pad_tokens: int = 0
-    head_dim_v: int | None = None  # None: head_dim
-
-    def __str__(self):
-        return (f"q{self.q_lens}-s{self.seq_lens}-H{self.num_heads}-G{self.num_kv_heads}-D{self.head_dim}"
-                f"{dv_tag(self)}-P{self.page_size}-K{self.topk}-W{self.window}-{self.layout}").replace(" ", "")
+Case = TokenCase
 
 
 CASES = [

@@ -7,27 +7,13 @@ import pytest
 import torch
 
 from csrc_triton.token_sparse import token_sparse_attention, token_sparse_attention_naive
-from tests.kernel_utils import DEVICE, dv_tag, dense_causal, make_paged_batch, nan_like, nan_out
+from tests.kernel_utils import DEVICE, TokenCase, dense_causal, make_paged_batch, nan_like, nan_out
 from vllm_hysparse.reference import ops
 
 
 @dataclass
-class Case:
-    q_lens: list[int]
-    seq_lens: list[int]
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = 32
-    page_size: int = 16
-    window: int = 8
+class Case(TokenCase):
     topk: int = 12
-    layout: str = "hnd"
-    pad_tokens: int = 0
-    head_dim_v: int | None = None  # None: head_dim
-
-    def __str__(self):
-        return (f"q{self.q_lens}-s{self.seq_lens}-H{self.num_heads}-G{self.num_kv_heads}-D{self.head_dim}"
-                f"{dv_tag(self)}-P{self.page_size}-W{self.window}-K{self.topk}-{self.layout}").replace(" ", "")
 
 
 CASES = [
