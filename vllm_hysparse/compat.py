@@ -20,8 +20,25 @@ def _has_unserialisable_int(value) -> bool:
     return False
 
 
+_SCALAR_FIELDS: dict[str, type] | None = None  # SamplingParams' public fields typed plain bool / int / float
+
+
+def _mistyped(value, kind: type) -> bool:
+    """What the engine core's typed msgpack decoder refuses: bool only for bool, no bool for int or float."""
+    if kind is bool:
+        return not isinstance(value, bool)
+    if isinstance(value, bool):
+        return True
+    return not isinstance(value, int if kind is int else (int, float))
+
+
 def unserialisable_field(params) -> str | None:
-    """The first public `SamplingParams` field holding an integer past 64 bits, or None.
+    """The first public `SamplingParams` field the engine core could not receive, or None.
+
+    Two ways a request is lost after vLLM 0.32 has registered it (the offline `LLM` then
+    waits for it forever): an integer past 64 bits, which msgspec cannot encode, and a
+    scalar field of the wrong type (e.g. `ignore_eos=None`), which the engine core's typed
+    decoder (v1/serial_utils.py) refuses and drops. `SamplingParams` checks neither type.
 
     vLLM 0.32 registers a request with its output processor before it serialises it
     for the engine core (v1/engine/llm_engine.py `add_request`, async_llm.py likewise).
@@ -29,6 +46,15 @@ def unserialisable_field(params) -> str | None:
     and the orphaned request never finishes: `LLM.generate` waits for it forever.
     The OpenAI schema range-checks `seed` only; `SamplingParams` checks none.
     """
+    global _SCALAR_FIELDS
+    if _SCALAR_FIELDS is None:
+        import typing
+
+        hints = typing.get_type_hints(type(params))
+        _SCALAR_FIELDS = {n: t for n, t in hints.items() if not n.startswith("_") and t in (bool, int, float)}
+    for name, kind in _SCALAR_FIELDS.items():
+        if _mistyped(getattr(params, name), kind):
+            return name
     for name in params.__struct_fields__:
         if not name.startswith("_") and _has_unserialisable_int(getattr(params, name)):
             return name
@@ -40,7 +66,7 @@ def install_prompt_logprobs_guard() -> None:
 
     Two guards in vLLM's input processor, which runs before a request is registered:
     prompt logprobs under KV-sharing fast prefill (HySparse2's early exit), and
-    integers past 64 bits (see `unserialisable_field`).
+    fields the engine core could not receive (see `unserialisable_field`).
 
     vLLM's async (server) path rejects `prompt_logprobs >= 1` only, and
     `LLM.generate` none at all; what gets through kills the worker on an
@@ -66,9 +92,11 @@ def install_prompt_logprobs_guard() -> None:
                 f"the cross-decoder never runs on earlier prompt rows; set {EARLY_EXIT_ENV}=0 to get them",
                 parameter="prompt_logprobs", value=params.prompt_logprobs)
         if isinstance(params, SamplingParams) and (name := unserialisable_field(params)) is not None:
-            raise VLLMValidationError(
-                f"{name}: integers must lie in [-2**63, 2**64 - 1] (vLLM serialises requests with 64-bit integers)",
-                parameter=name)
+            value = getattr(params, name)
+            kind = (_SCALAR_FIELDS or {}).get(name)
+            why = (f"must be a {kind.__name__}, got {type(value).__name__}" if kind and _mistyped(value, kind)
+                   else "integers must lie in [-2**63, 2**64 - 1] (vLLM serialises requests with 64-bit integers)")
+            raise VLLMValidationError(f"{name}: {why}", parameter=name)
         return original(self, params, supported_tasks)
 
     setattr(_validate_params, _GUARD_FLAG, True)

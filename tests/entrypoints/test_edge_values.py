@@ -318,12 +318,6 @@ SAMPLING_FIELDS = {
 }
 
 
-def _past_64_bits(value) -> bool:
-    if isinstance(value, int):
-        return not -(2**63) <= value < B64
-    return isinstance(value, (list, dict)) and any(map(_past_64_bits, value))
-
-
 def _sampling_params(name, value):
     from vllm.sampling_params import RepetitionDetectionParams, RequestOutputKind, SamplingParams, \
         StructuredOutputsParams
@@ -349,6 +343,7 @@ def offline(request, tmp_path_factory):
     shutdown(llm)
 
 
+@pytest.mark.timeout(600)  # a lost request hangs `LLM.generate`: fail rather than wait for the suite's limit
 def test_edge_values_through_the_offline_engine(offline):
     from vllm import SamplingParams
     from vllm.exceptions import VLLMValidationError  # (not a ValueError in vLLM 0.32)
@@ -393,8 +388,6 @@ def test_edge_values_through_the_offline_engine(offline):
                                           "vllm_xargs": params.extra_args})
         if expect and not refused:
             wrong.append((name, value, pic, expect))
-        if _past_64_bits(value) and not refused:
-            wrong.append((name, value, pic, "an integer past 64 bits"))
         if i % BATCH == BATCH - 1 or i == len(cases) - 1:
             assert known_good() == before, f"the engine's answers changed after case {i}: {(name, value, pic)}"
     print(f"[edge] {arch}: offline outcomes {dict(outcomes)}")
