@@ -28,7 +28,8 @@ setup(
         "gpu": [f"vllm=={VLLM_VERSION}"],
         # GGUF import (tools/import_gguf.py): transformers' GGUF loader needs both.
         "gguf": ["gguf>=0.10", "accelerate"],
-        "test": ["pytest>=8", "pytest-timeout", "openai", "matplotlib", "gguf>=0.10", "accelerate"],
+        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3.6", "openai", "matplotlib", "gguf>=0.10",
+                 "accelerate"],
     },
     entry_points={
         "vllm.general_plugins": ["hysparse = vllm_hysparse:register"],

@@ -3,6 +3,7 @@
 #   bash scripts/test.sh            the CI tier (what .ci/run runs)
 #   bash scripts/test.sh --bench    the benchmark tier only: load, soak and the PIC benchmark (`-m bench`)
 # Other arguments go to every pytest run, e.g. `bash scripts/test.sh -x`.
+# TEST_WORKERS (default 2) sets the pytest-xdist workers of the engine suite; TEST_WORKERS=0 runs it in one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BENCH=0
@@ -12,15 +13,52 @@ for a in "$@"; do
 done
 bash scripts/setup_env.sh
 VENV="${VENV:-.venv}"
+PY="$VENV/bin/python"
 if [[ "$BENCH" == 1 ]]; then
     # Engine tests only (no kernels: their conftest sets TRITON_INTERPRET for the process).
-    exec "$VENV/bin/python" -m pytest tests --ignore=tests/kernels --ignore=tests/kernels_aot -m bench "${ARGS[@]}"
+    exec "$PY" -m pytest tests --ignore=tests/kernels --ignore=tests/kernels_aot -m bench "${ARGS[@]}"
 fi
-# Kernel tests run Triton under its CPU interpreter (TRITON_INTERPRET=1, set by
-# tests/kernels/conftest.py for the whole process); the engine tests must not
-# inherit that, so the two suites run as separate pytest processes. The sm_90
-# ahead-of-time kernel builds (tests/kernels_aot) need real JIT kernels, so they
-# get a process of their own too.
-"$VENV/bin/python" -m pytest tests --ignore=tests/kernels --ignore=tests/kernels_aot "${ARGS[@]}"
-"$VENV/bin/python" -m pytest tests/kernels "${ARGS[@]}"
-"$VENV/bin/python" -m pytest tests/kernels_aot "${ARGS[@]}"
+# Three pytest processes, because their environments differ: the kernel tests run Triton under its CPU
+# interpreter (TRITON_INTERPRET=1, set by tests/kernels/conftest.py for the whole process), the sm_90
+# ahead-of-time builds (tests/kernels_aot) need real JIT kernels, and the engine tests must inherit neither.
+# They share nothing, so the two kernel processes run beside the engine suite. Each engine test mostly waits
+# on one core (imports, compilation, Python-side scheduling), so the engine suite runs on TEST_WORKERS
+# pytest-xdist workers, a test file per worker at a time (`--dist loadfile`: a module's engines and servers
+# stay in one process and its tests keep their order).
+LOGS="$(mktemp -d "${TMPDIR:-/tmp}/hysparse-tests.XXXXXX")"
+trap 'rm -rf "$LOGS"' EXIT
+"$PY" -m pytest tests/kernels --junitxml="$LOGS/kernels.xml" "${ARGS[@]}" >"$LOGS/kernels.log" 2>&1 &
+KERNELS=$!
+"$PY" -m pytest tests/kernels_aot --junitxml="$LOGS/aot.xml" "${ARGS[@]}" >"$LOGS/aot.log" 2>&1 &
+AOT=$!
+WORKERS="${TEST_WORKERS:-2}"
+XDIST=()
+[[ "$WORKERS" == 0 ]] || XDIST=(-n "$WORKERS" --dist loadfile)
+status=0
+"$PY" -m pytest tests --ignore=tests/kernels --ignore=tests/kernels_aot "${XDIST[@]}" --durations=25 \
+    --junitxml="$LOGS/engine.xml" "${ARGS[@]}" || status=$?
+for job in "kernels:$KERNELS" "aot:$AOT"; do
+    name="${job%%:*}"
+    rc=0
+    wait "${job##*:}" || rc=$?
+    echo
+    echo "==================== tests/${name/aot/kernels_aot} (ran beside the engine suite; exit $rc) ===================="
+    cat "$LOGS/$name.log"
+    [[ "$rc" == 0 ]] || status=$rc
+done
+# One closing line for the three processes together.
+"$PY" - "$LOGS"/*.xml <<'PY' || true
+import sys
+import xml.etree.ElementTree as ET
+
+totals = dict(tests=0, failures=0, errors=0, skipped=0)
+for path in sys.argv[1:]:
+    root = ET.parse(path).getroot()
+    for suite in ([root] if root.tag == "testsuite" else root.iter("testsuite")):
+        for key in totals:
+            totals[key] += int(suite.get(key, 0))
+failed = totals["failures"] + totals["errors"]
+passed = totals["tests"] - failed - totals["skipped"]
+print(f"\nall: {passed} passed, {failed} failed, {totals['skipped']} skipped")
+PY
+exit "$status"

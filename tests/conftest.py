@@ -14,6 +14,7 @@
   sets it): a session that would run other tests with it set is refused.
 """
 
+import collections
 import os
 import subprocess
 
@@ -52,18 +53,27 @@ def _allowed(nodeid: str) -> bool:
     return (path, name.split("[", 1)[0]) in ALLOWED_SKIPS
 
 
+def _skip_reason(report) -> str:
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     if report.skipped and not hasattr(report, "wasxfail") and strict_skips() and not _allowed(item.nodeid):
-        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-        reason = reason.removeprefix("Skipped: ")
+        reason = _skip_reason(report)
         if _hardware_lacks(reason):
-            HARDWARE_SKIPPED.append(f"{item.nodeid}: {reason}")
-            return
+            return  # stays a skip; listed by pytest_runtest_logreport (in the xdist controller too)
         report.outcome = "failed"
         report.longrepr = f"skipped under {STRICT_SKIPS_ENV}=1 (not an allowed skip): {reason}"
+
+
+def pytest_runtest_logreport(report):
+    """Runs where the run is reported (the xdist controller, or the only process): list the hardware skips."""
+    if report.skipped and not hasattr(report, "wasxfail") and _skip_reason(report).startswith(HARDWARE_SKIP):
+        HARDWARE_SKIPPED.append(f"{report.nodeid}: {_skip_reason(report)}")
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -109,6 +119,23 @@ def pytest_unconfigure(config):
     subprocess.Popen.__init__ = _popen_init
 
 
+# Engine starts under pytest-xdist: each worker sends its counts with its results, the controller adds them up.
+WORKER_ENGINE_STARTS: collections.Counter = collections.Counter()
+
+
+def pytest_sessionfinish(session):
+    import sys
+
+    utils = sys.modules.get("tests.vllm_utils")
+    if hasattr(session.config, "workeroutput") and utils is not None:
+        session.config.workeroutput["engine_starts"] = dict(utils.ENGINE_STARTS)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    WORKER_ENGINE_STARTS.update(getattr(node, "workeroutput", {}).get("engine_starts", {}))
+
+
 def pytest_terminal_summary(terminalreporter):
     import sys
 
@@ -119,6 +146,8 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line(f"  {line}")
 
     utils = sys.modules.get("tests.vllm_utils")
-    if utils is not None and utils.ENGINE_STARTS:
-        counts = ", ".join(f"{k} {v}" for k, v in sorted(utils.ENGINE_STARTS.items()))
-        terminalreporter.write_line(f"engine starts in this process: {sum(utils.ENGINE_STARTS.values())} ({counts})")
+    starts = WORKER_ENGINE_STARTS + (utils.ENGINE_STARTS if utils is not None else collections.Counter())
+    if starts:
+        counts = ", ".join(f"{k} {v}" for k, v in sorted(starts.items()))
+        where = "this run's xdist workers" if WORKER_ENGINE_STARTS else "this process"
+        terminalreporter.write_line(f"engine starts in {where}: {sum(starts.values())} ({counts})")

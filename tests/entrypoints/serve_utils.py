@@ -18,6 +18,15 @@ SERVE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind
 API_KEY = "hostile-test-key"
 MAX_LEN = 512
 VOCAB = 8192  # the tiny preset's vocabulary
+# Set in this process by the plugin's metrics collector once an in-process engine has started; a server
+# that inherited it would publish into that engine's directory and report its counters as its own.
+METRICS_DIR_ENV = "HYSPARSE_METRICS_DIR"
+
+
+def server_env(extra: dict | None = None) -> dict[str, str]:
+    """The environment of a `vllm serve` child: ours, less the metrics directory, plus the CPU engine settings."""
+    env = {k: v for k, v in os.environ.items() if k != METRICS_DIR_ENV}
+    return {**env, **SERVE_ENV, **(extra or {})}
 
 
 def free_port() -> int:
@@ -86,7 +95,7 @@ def serve(ckpt, log: Path, *args: str, api_key: str | None = None, env: dict | N
         cmd += ["--api-key", api_key]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, **SERVE_ENV, **(env or {})})
+                                env=server_env(env))
     server = Server(proc, port, log, api_key)
     try:
         _wait_healthy(server, start_timeout_s)

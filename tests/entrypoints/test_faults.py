@@ -26,12 +26,12 @@ import psutil
 import pytest
 
 import vllm_hysparse  # noqa: F401
+from tests.entrypoints.serve_utils import server_env
 from tests.vllm_utils import random_prompts
 from vllm_hysparse.tools.demo_client import wait_until_healthy
 from vllm_hysparse.tools.make_checkpoint import write_checkpoint
 
 VLLM = str(Path(sys.executable).parent / "vllm")
-SERVE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 MAX_TOKENS = 900          # far more than the streams get before the kill
 STREAMS_END_S = 30        # in-flight streams must end this soon after the kill
 SERVER_EXITS_S = 60       # ... and the server must have exited (or recovered) this soon
@@ -155,7 +155,7 @@ def test_killed_mid_stream(ckpt, tmp_path, target):
     with open(log, "w") as out:
         proc = subprocess.Popen([VLLM, "serve", str(ckpt), "--dtype", "float32", "--port", str(port),
                                  "--host", "127.0.0.1", "--max-model-len", "1024", "--enforce-eager"],
-                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **SERVE_ENV})
+                                stdout=out, stderr=subprocess.STDOUT, env=server_env())
     server = psutil.Process(proc.pid)
     base = f"http://127.0.0.1:{port}"
     try:

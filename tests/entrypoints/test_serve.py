@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 import vllm_hysparse  # noqa: F401
-from tests.entrypoints.serve_utils import SERVE_ENV, VLLM, free_port, serve
+from tests.entrypoints.serve_utils import VLLM, free_port, serve, server_env
 from tests.vllm_utils import random_prompts, reference_greedy
 from vllm_hysparse.tools.demo_client import hysparse_metrics
 from vllm_hysparse.tools.make_checkpoint import write_checkpoint
@@ -256,7 +256,7 @@ def _corrupt(src: Path, dst: Path, how: str) -> Path:
 def test_bad_checkpoint_fails_at_load_with_one_line_reason(ckpt, tmp_path, how, message):
     bad = _corrupt(ckpt, tmp_path / how, how)
     result = subprocess.run([VLLM, "serve", str(bad), "--dtype", "float32", "--port", str(free_port())],
-                            capture_output=True, text=True, timeout=300, env={**os.environ, **SERVE_ENV})
+                            capture_output=True, text=True, timeout=300, env=server_env())
     assert result.returncode != 0
     assert message in result.stdout + result.stderr
 

@@ -22,6 +22,7 @@ import requests
 from transformers import AutoTokenizer
 
 import vllm_hysparse  # noqa: F401
+from tests.entrypoints.serve_utils import server_env
 from tests.vllm_utils import make_llm, random_prompts, shutdown
 from vllm_hysparse.pic.client import pic_extra_body, pic_prompt, pic_text_extra_body
 from vllm_hysparse.pic.frontend import is_pic_model, pic_cache_salt
@@ -74,10 +75,9 @@ def server_proc(server_ckpt, tmp_path_factory):
     """`vllm serve` on HySparse2 with no PIC flag, an API key and per-request cached-token counts."""
     port = _free_port()
     log = tmp_path_factory.mktemp("pic-serve-log") / "serve.log"
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-           # HySparse2's early exit refuses prompt logprobs on its own; turn it off so that the
-           # PIC refusal is the one under test.
-           "VLLM_HYSPARSE2_EARLY_EXIT": "0"}
+    # HySparse2's early exit refuses prompt logprobs on its own; turn it off so that the
+    # PIC refusal is the one under test.
+    env = server_env({"VLLM_HYSPARSE2_EARLY_EXIT": "0"})
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [VLLM, "serve", str(server_ckpt), "--dtype", "float32", "--port", str(port), "--max-model-len", "1024",
