@@ -4,6 +4,7 @@
 import collections
 import contextlib
 import os
+import weakref
 from dataclasses import dataclass
 
 import pytest
@@ -32,13 +33,51 @@ class Completion:
     logprobs: list[dict[int, float]]  # per generated position: token id -> logprob (top-k and the chosen one)
 
 
-def make_llm(model_dir, **kwargs):
+# Eager single-process engines run their engine core inside the test process (vLLM's
+# VLLM_ENABLE_V1_MULTIPROCESSING=0, the same engine core and worker without the extra process): a start
+# then costs ~6 s instead of ~21 s, and a shutdown 1 s instead of 5. One at a time: an in-process engine core's
+# shutdown tears down the process's distributed state (vllm/v1/engine/core.py, cleanup_dist_env_and_memory),
+# which another in-process engine would still use. Compiled engines keep a process of their own, so that each
+# compiles in a fresh torch.compile state; TP / PP engines have worker processes anyway.
+# HYSPARSE_TEST_ENGINE_PROCESS=1 puts every engine core in its own process.
+IN_PROCESS_ENGINES: "weakref.WeakSet" = weakref.WeakSet()  # the in-process engine alive (at most one)
+
+
+def _in_process(args: dict) -> bool:
+    return (os.environ.get("HYSPARSE_TEST_ENGINE_PROCESS", "0") in ("", "0") and not IN_PROCESS_ENGINES
+            and bool(args.get("enforce_eager")) and args.get("tensor_parallel_size", 1) == 1
+            and args.get("pipeline_parallel_size", 1) == 1)
+
+
+def make_llm(model_dir, own_process: bool = False, **kwargs):
+    """`LLM(model_dir, float32, ...)`; `own_process`: keep the engine core in a process of its own.
+
+    An in-process engine core steps only inside `generate`, so the worker learns that the last requests
+    finished at the next call; tests that check what finished requests release (PIC pins) need the
+    engine core's own loop.
+    """
+    import vllm.envs
     from vllm import LLM
 
     args = dict(model=str(model_dir), dtype="float32", max_model_len=1024, seed=0)
     args.update(kwargs)
     ENGINE_STARTS["offline"] += 1
-    return LLM(**args)
+    if own_process or not _in_process(args):
+        return LLM(**args)
+    saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        llm = LLM(**args)
+    finally:
+        if saved is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved
+        # An engine core caches vLLM's environment once it is up (vllm/v1/engine/core.py, enable_envs_cache);
+        # in this process that would freeze it for every later test.
+        vllm.envs.disable_envs_cache()
+    IN_PROCESS_ENGINES.add(llm)
+    return llm
 
 
 def vllm_greedy(llm, prompts: list[list[int]], max_tokens: int) -> list[Completion]:
@@ -132,6 +171,12 @@ def kv_cache_layout(worker) -> dict:
 def shutdown(llm) -> None:
     with contextlib.suppress(Exception):
         llm.llm_engine.engine_core.shutdown()
+    if llm in IN_PROCESS_ENGINES:
+        # vLLM's in-process shutdown has undone its gc.freeze() and the distributed state; free the engine now.
+        IN_PROCESS_ENGINES.discard(llm)
+        import gc
+
+        gc.collect()
 
 
 # The offline API in one process for all weight cases: each engine start then costs seconds, not a

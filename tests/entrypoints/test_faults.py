@@ -13,7 +13,6 @@ exactly that, with bounded waits everywhere.
 """
 
 import json
-import os
 import signal
 import subprocess
 import sys

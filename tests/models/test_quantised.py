@@ -23,7 +23,6 @@ from transformers import AutoModelForCausalLM
 import vllm_hysparse  # noqa: F401
 from tests.vllm_utils import (
     check_logprobs_close,
-    fp8_supported_here,
     make_llm,
     offline_load_errors,
     random_prompts,
@@ -174,23 +173,21 @@ def _first_errors(ref, got) -> list[float]:
 def test_fp8_greedy_matches_dequantised_reference(fp8):
     """The engine computes the FP8 math, not the float model's.
 
-    Tolerance 2e-2: both sides compute the same products in float32, but an
+    Tolerance 5e-2: both sides compute the same products in float32, but an
     activation whose float32 value differs by summation order (~1e-6
     relative) can round to the neighbouring e4m3 code, a step of 1/16 to 1/8
     of that element; a few such flips per step move a logprob of this random
-    tiny model by up to ~1e-2 (measured: up to 1e-2 on HySparse's 64- and 150-token
-    prompts, under 1e-6 on the shorter ones and on HySparse2). The
-    float reference is the control: FP8 quantisation itself moves the first
-    token's logprob ten times more than what separates the engine from the
-    dequantised reference.
+    tiny model by a few 1e-2, depending on vLLM's CPU GEMM kernel and the
+    machine (measured: up to 1e-2 on one CPU; 2.4e-2 and 2.7e-2 on two AMD EPYC
+    machines, one with and one without AVX-512). The float reference is the
+    control: FP8 quantisation itself moves the first token's logprob ten times
+    more than what separates the engine from the dequantised reference.
     """
     arch, src, _, llm, reference, _ = fp8
     prompts = random_prompts(LENGTHS, reference.config.vocab_size, seed=22)
     got = vllm_greedy(llm, prompts, MAX_TOKENS)
     ref = reference_greedy(reference, prompts, MAX_TOKENS)
-    # Without AVX-512 / AMX vLLM's CPU build runs the FP8 GEMM through another kernel, whose summation
-    # order flips more e4m3 codes: measured 2.7e-2 on an AMD EPYC (Dec 2026); the control below still holds.
-    check_logprobs_close(ref, got, atol=2e-2 if fp8_supported_here() else 5e-2)
+    check_logprobs_close(ref, got, atol=5e-2)
     plain = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     fp8_err, float_err = _first_errors(ref, got), _first_errors(reference_greedy(plain, prompts, 1), got)
     print(f"FP8-ERR {arch} vs dequantised reference {fp8_err} vs float reference {float_err}")

@@ -34,11 +34,12 @@ def test_triton_kernels_in_engine_match_reference(arch, overrides, tmp_path):
     reference = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     prompts = random_prompts([5, 40, 70], reference.config.vocab_size, seed=32)
     with pytest.MonkeyPatch.context() as mp:
-        # Inherited by the engine's processes, which import the kernels fresh.
+        # Inherited by the engine's processes, which import the kernels fresh (so not an in-process engine).
         mp.setenv(KERNELS_ENV, "triton")
         if not torch.cuda.is_available():
             mp.setenv("TRITON_INTERPRET", "1")
-        llm = make_llm(ckpt, enforce_eager=True, block_size=32, max_model_len=512, max_num_batched_tokens=64)
+        llm = make_llm(ckpt, own_process=True, enforce_eager=True, block_size=32, max_model_len=512,
+                       max_num_batched_tokens=64)
     try:
         got = vllm_greedy(llm, prompts, 3)
         paths = llm.collective_rpc(kernel_paths)[0]

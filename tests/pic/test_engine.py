@@ -59,7 +59,8 @@ def reference(ckpt):
 
 @pytest.fixture(scope="module")
 def llm(ckpt):
-    engine = make_llm(ckpt, enforce_eager=True, block_size=32, max_num_batched_tokens=64, max_num_seqs=8)
+    engine = make_llm(ckpt, own_process=True, enforce_eager=True, block_size=32, max_num_batched_tokens=64,
+                      max_num_seqs=8)
     yield engine
     shutdown(engine)
 
@@ -186,7 +187,8 @@ def test_compiled_engine_matches_reference(hysparse_ckpt, hysparse_ref):
 def test_tiny_store_budget_evicts_and_stays_correct(hysparse_ckpt, hysparse_ref, monkeypatch):
     monkeypatch.setenv("VLLM_HYSPARSE_PIC_PUBLIC_MB", "0.05")  # about one segment of the tiny preset
     prompts, layouts = _rag_prompts(hysparse_ref.config.vocab_size, seam=2)
-    llm = make_llm(hysparse_ckpt, enforce_eager=True, block_size=32, max_num_batched_tokens=64, max_num_seqs=1)
+    llm = make_llm(hysparse_ckpt, own_process=True, enforce_eager=True, block_size=32, max_num_batched_tokens=64,
+                   max_num_seqs=1)
     try:
         got = generate(llm, list(prompts), list(layouts))
         s = state(llm)
@@ -203,8 +205,9 @@ def test_preemption_during_pic_requests(hysparse_ckpt, hysparse_ref):
     prompts, layouts = zip(*[assemble(p, seam=4) for p in parts])
     # As in the model tests: about 27 pages of 32 tokens cannot hold four requests growing from 120 to 190.
     with env_without("VLLM_CPU_KVCACHE_SPACE"):
-        llm = make_llm(hysparse_ckpt, enforce_eager=True, block_size=32, kv_cache_memory_bytes=10 * 32 * 2048 * 3,
-                       max_model_len=256, max_num_batched_tokens=64, disable_log_stats=False)
+        llm = make_llm(hysparse_ckpt, own_process=True, enforce_eager=True, block_size=32,
+                       kv_cache_memory_bytes=10 * 32 * 2048 * 3, max_model_len=256, max_num_batched_tokens=64,
+                       disable_log_stats=False)
     try:
         got = generate(llm, list(prompts), list(layouts), max_tokens=70)
         preempted = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")

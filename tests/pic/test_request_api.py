@@ -9,7 +9,6 @@ One offline HySparse engine and one HySparse2 server (started first, so both
 boot at once) serve the whole module.
 """
 
-import os
 import subprocess
 import sys
 from pathlib import Path

@@ -9,7 +9,6 @@ shown through `vllm serve`, where the user sees it.
 """
 
 import json
-import os
 import shutil
 import subprocess
 import sys
