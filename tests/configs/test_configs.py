@@ -142,6 +142,10 @@ COMMON_BAD = [
     ("rope_scaling.rope_type", dict(rope_scaling={"rope_type": "bogus", "factor": 2.0})),
     ("rope_scaling.factor", dict(rope_scaling={"rope_type": "linear"})),
     ("rope_scaling.factor", dict(rope_scaling={"rope_type": "linear", "factor": -1.0})),
+    ("rope_scaling.original_max_position_embeddings", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0})),
+    ("rope_scaling.original_max_position_embeddings",
+     dict(max_position_embeddings=4096, rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                      "original_max_position_embeddings": 512})),
     # MoE (SPEC §2.6)
     ("num_experts", dict(num_experts=-1)),
     ("num_experts", dict(num_experts=2.0)),

@@ -27,8 +27,9 @@ MODELS = {
 # Rope types whose frequencies or cos/sin scaling differ from plain RoPE (rotation only must be applied).
 ROPE_MODELS = {
     "hysparse-linear": lambda: make_hs(105, rope_scaling={"rope_type": "linear", "factor": 4.0}),
-    "hysparse-yarn": lambda: make_hs(106, rope_scaling={"rope_type": "yarn", "factor": 4.0,
-                                                        "original_max_position_embeddings": 64}),
+    "hysparse-yarn": lambda: make_hs(106, max_position_embeddings=256,
+                                     rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                   "original_max_position_embeddings": 64}),
 }
 
 

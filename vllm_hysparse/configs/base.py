@@ -222,6 +222,18 @@ class HySparseBaseConfig(PreTrainedConfig):
             factor = rope.get("factor")
             if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
                 raise config_error("rope_scaling.factor", "must be a positive number", factor)
+        if rope["rope_type"] == "yarn":
+            # vLLM builds YaRN's cos/sin table for original_max_position_embeddings x factor positions
+            # (vllm/model_executor/layers/rotary_embedding/__init__.py, get_rope) and reads past it, giving NaN,
+            # at any later position, while it still accepts max_model_len up to max_position_embeddings.
+            original = rope.get("original_max_position_embeddings")
+            require_positive_int("rope_scaling.original_max_position_embeddings", original)
+            if original * factor < self.max_position_embeddings:
+                raise config_error(
+                    "rope_scaling.original_max_position_embeddings",
+                    f"times factor {factor:g} covers {original * factor:g} positions, fewer than "
+                    f"max_position_embeddings={self.max_position_embeddings} (vLLM's YaRN table ends there)",
+                    original)
 
     def layers_of_type(self, kind: str) -> list[int]:
         return [i for i, t in enumerate(self.layer_types) if t == kind]
