@@ -28,6 +28,8 @@ setup(
         "gpu": [f"vllm=={VLLM_VERSION}"],
         # GGUF import (tools/import_gguf.py): transformers' GGUF loader needs both.
         "gguf": ["gguf>=0.10", "accelerate"],
+        # lm-eval against `vllm serve` (benchmarks/lm_eval_served.py, benchmarks/lm_eval/tasks).
+        "eval": ["lm-eval[api]==0.4.13"],
         "test": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3.6", "openai", "matplotlib", "gguf>=0.10",
                  "accelerate"],
     },

@@ -231,6 +231,14 @@ def param_count(ckpt: Path) -> int:
     return total
 
 
+def save_report(stem: Path, result: dict, text: str) -> None:
+    """`stem.json` (the result) and `stem.md` (the text, also printed)."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    stem.with_suffix(".md").write_text(text)
+    print(text)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

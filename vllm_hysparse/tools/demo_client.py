@@ -2,6 +2,10 @@
 """Ask a running `vllm serve` for a completion, a streamed chat reply and two PIC requests, then show our metrics.
 
     python -m vllm_hysparse.tools.demo_client --base-url http://127.0.0.1:8000/v1
+    python -m vllm_hysparse.tools.demo_client --questions "What is the capital of France?" "What is 7 times 8?"
+
+`--questions` asks each one as a greedy chat request first (what a real model is shown with);
+`--random-weights` says the answers of a random-weight model are not meant to make sense.
 """
 
 import argparse
@@ -34,6 +38,21 @@ def hysparse_metrics(base_url: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("vllm:hysparse_")]
 
 
+def pages_per_query(lines: list[str]) -> str | None:
+    """One line from the `vllm:hysparse_*` counters: pages read per sparse query against a dense model's."""
+    values = {}
+    for line in lines:
+        name, _, value = line.rpartition(" ")
+        values[name] = float(value)
+    queries = values.get("vllm:hysparse_sparse_queries_total", 0.0)
+    if not queries:
+        return None
+    pages = values.get("vllm:hysparse_pages_touched_total", 0.0) / queries
+    dense = values.get("vllm:hysparse_dense_pages_total", 0.0) / queries
+    return (f"{pages:.2f} KV pages per sparse query, {dense:.2f} for a dense model ({pages / dense:.2f}x) "
+            f"over {queries:.0f} (query, KV group) selections" if dense else None)
+
+
 def pic_demo(client: OpenAI, model: str) -> None:
     """Two RAG-shaped PIC requests with the documents in swapped order: the second splices both."""
     from vllm_hysparse.pic.client import pic_text_extra_body
@@ -52,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
     parser.add_argument("--wait", type=float, default=300, help="seconds to wait for the server to come up")
+    parser.add_argument("--questions", nargs="*", default=[], help="chat questions, each answered greedily")
+    parser.add_argument("--random-weights", action="store_true", help="the served model has random weights")
     args = parser.parse_args(argv)
     try:
         wait_until_healthy(args.base_url, args.wait)
@@ -60,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     client = OpenAI(base_url=args.base_url, api_key="unused")
     model = client.models.list().data[0].id
+    for question in args.questions:
+        reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": question}],
+                                               max_tokens=48, temperature=0)
+        print(f"[question] {question}\n[answer]   {reply.choices[0].message.content.strip()}")
     prompt = "def fibonacci(n):\n    "
     completion = client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0)
     print(f"[completion] {prompt!r} -> {completion.choices[0].text!r}")
@@ -72,9 +97,14 @@ def main(argv: list[str] | None = None) -> int:
             print(chunk.choices[0].delta.content, end="", flush=True)
     print()
     pic_demo(client, model)
-    for line in hysparse_metrics(args.base_url):
+    lines = hysparse_metrics(args.base_url)
+    for line in lines:
         print(f"[metrics] {line}")
-    print("(random demo weights: the text is not meant to make sense)")
+    summary = pages_per_query(lines)
+    if summary:
+        print(f"[pages per query] {summary}")
+    if args.random_weights:
+        print("(random demo weights: the text is not meant to make sense)")
     return 0
 
 
