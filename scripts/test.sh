@@ -46,6 +46,8 @@ for job in "kernels:$KERNELS" "aot:$AOT"; do
     cat "$LOGS/$name.log"
     [[ "$rc" == 0 ]] || status=$rc
 done
+# TEST_REPORT_DIR: keep the three JUnit reports (per-test durations) there.
+if [[ -n "${TEST_REPORT_DIR:-}" ]]; then mkdir -p "$TEST_REPORT_DIR" && cp "$LOGS"/*.xml "$TEST_REPORT_DIR"/ || true; fi
 # One closing line for the three processes together.
 "$PY" - "$LOGS"/*.xml <<'PY' || true
 import sys
