@@ -146,3 +146,36 @@ def test_apply_refuses_bad_input_with_one_line_and_writes_nothing(checkpoints, h
     assert err.startswith("error: ") and err.count("\n") == 1, err
     assert not (tmp_path / "out").exists()
     assert not list(tmp_path.glob(".out*"))
+
+
+@pytest.mark.parametrize("arch", ["hysparse", "hysparse2"])
+def test_full_rank_trains_the_guessed_projections_whole_and_the_delta_rebuilds_them(checkpoints, arch):
+    """`full_rank`: the projections of FULL_RANK_LINEARS stay plain linears, trained and stored whole; the rest
+    is LoRA as before; apply(base, delta) reproduces the trained model."""
+    from vllm_hysparse.recovery.lora import FULL_RANK_LINEARS
+
+    trained = _load(checkpoints[arch])
+    ids = torch.randint(0, trained.config.vocab_size, (1, 80))
+    with torch.no_grad():
+        before = trained(ids, use_cache=False).logits
+    params = attach_lora(trained, RANK, ALPHA, full_rank=True)
+    with torch.no_grad():
+        torch.testing.assert_close(trained(ids, use_cache=False).logits, before, atol=0, rtol=0)
+    whole = {f"model.layers.{i}.self_attn.{n}.weight" for i, layer in enumerate(trained.model.layers)
+             for n in FULL_RANK_LINEARS.get(type(layer.self_attn), ())}
+    assert whole, "this converted model has no projection to train whole"
+    named = dict(trained.named_parameters())
+    assert {id(named[n]) for n in whole} <= {id(p) for p in params}
+    for name in whole:  # not wrapped
+        module = trained.get_submodule(name.rsplit(".", 1)[0])
+        assert type(module) is torch.nn.Linear and module.weight.requires_grad, name
+    _randomise_trainable(trained, 5)
+    tensors, meta = delta_state(trained)
+    assert whole <= set(tensors)
+    rebuilt = _load(checkpoints[arch])
+    apply_delta(rebuilt, tensors, meta)
+    for name in whole:
+        torch.testing.assert_close(dict(rebuilt.named_parameters())[name], named[name], atol=0, rtol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(rebuilt(ids, use_cache=False).logits, trained(ids, use_cache=False).logits,
+                                   atol=1e-4, rtol=1e-4)

@@ -111,12 +111,14 @@ def test_coverage_term_raises_coverage(checkpoints, arch):
     assert after > before + 0.03, (before, after)
 
 
-def test_cli_train_then_apply_gives_the_same_checkpoint(checkpoints, tmp_path, capsys):
+@pytest.mark.parametrize("extra", [[], ["--full-rank", "--temperature", "2", "--hidden-weight", "1"]],
+                         ids=["lora", "full-rank-t2-hidden"])
+def test_cli_train_then_apply_gives_the_same_checkpoint(checkpoints, tmp_path, capsys, extra):
     delta, out, rebuilt = tmp_path / "delta", tmp_path / "recovered", tmp_path / "rebuilt"
     rc = cli.main(["train", "--teacher", str(checkpoints["teacher"]), "--student", str(checkpoints["hysparse"]),
                    "--delta", str(delta), "--out", str(out), "--stage1-minutes", "0.05", "--stage2-minutes", "0.05",
                    "--rank", "4", "--seq-len", "64", "--stage2-seq-len", "64", "--windows", "4",
-                   "--train-chars", "40000", "--heldout-windows", "1", "--heldout-seq-len", "64"])
+                   "--train-chars", "40000", "--heldout-windows", "1", "--heldout-seq-len", "64", *extra])
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     report = json.loads((delta / cli.REPORT_FILE).read_text())
@@ -133,6 +135,8 @@ def test_cli_train_then_apply_gives_the_same_checkpoint(checkpoints, tmp_path, c
     assert a.keys() == b.keys() == base.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert any(not torch.equal(a[k], base[k]) for k in a), "training changed nothing"
+    if extra:  # the SWA-branch K/V were trained whole and stored as such
+        assert any(k.endswith("swa_k_proj.weight") for k in tensors) and report["settings"]["temperature"] == 2.0
 
 
 def test_cli_train_refuses_a_dense_student(checkpoints, tmp_path, capsys):
@@ -141,3 +145,21 @@ def test_cli_train_refuses_a_dense_student(checkpoints, tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("error: ") and "not a hysparse or hysparse2" in err and err.count("\n") == 1
     assert not (tmp_path / "delta").exists()
+
+
+def test_distillation_loss_is_tempered_kl_plus_hidden_error():
+    """Against the textbook formulas, written out here: T^2 * sum p_T (log p_T - log q_T), and the relative
+    squared error of the hidden states."""
+    from vllm_hysparse.recovery.train import distillation_loss
+
+    gen = torch.Generator().manual_seed(12)
+    t, s = torch.randn(2, 5, 11, generator=gen) * 3, torch.randn(2, 5, 11, generator=gen) * 3
+    th, sh = torch.randn(2, 5, 7, generator=gen), torch.randn(2, 5, 7, generator=gen)
+    for temp in (1.0, 2.0):
+        p, q = torch.softmax(t.double() / temp, -1), torch.softmax(s.double() / temp, -1)
+        kl = (p * (p.log() - q.log())).sum(-1).mean() * temp**2
+        torch.testing.assert_close(distillation_loss(t, s, temp).double(), kl, rtol=1e-5, atol=1e-6)
+        rel = ((sh.double() - th.double()) ** 2).sum() / (th.double() ** 2).sum()
+        torch.testing.assert_close(distillation_loss(t, s, temp, th, sh, 0.5).double(), kl + 0.5 * rel,
+                                   rtol=1e-5, atol=1e-6)
+    assert float(distillation_loss(t, t, 2.0, th, th, 1.0)) < 1e-6  # zero when the student is the teacher

@@ -108,7 +108,7 @@ def train(args) -> dict:
     text = corpus.training_text(args.train_chars, args.seed)
     heldout = HeldOut.build(teacher, [w.to(device) for w in windows_of(
         tokenizer, corpus.heldout_text(), args.heldout_seq_len, args.heldout_windows)])
-    params = attach_lora(student, args.rank, args.alpha)
+    params = attach_lora(student, args.rank, args.alpha, full_rank=args.full_rank)
     clock, curve = Clock(), []
     curve.append({"stage": "converted", "step": 0, "train_minutes": 0.0, "wall_minutes": 0.0, "cpu_minutes": 0.0,
                   **heldout.evaluate(student)})
@@ -121,6 +121,7 @@ def train(args) -> dict:
     if args.stage2_minutes > 0:
         w2 = [w.to(device) for w in windows_of(tokenizer, text, args.stage2_seq_len, args.windows)]
         stages.append(end_to_end(teacher, student, w2, params, coverage_weight=args.coverage_weight,
+                                 temperature=args.temperature, hidden_weight=args.hidden_weight,
                                  minutes=args.stage2_minutes, lr=args.lr2, **common))
     tensors, meta = delta_state(student)
     report = {"teacher": args.teacher, "student": args.student, "settings": {
@@ -173,6 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--windows", type=int, default=64, help="training windows per stage")
     t.add_argument("--train-chars", type=int, default=2_000_000)
     t.add_argument("--coverage-weight", type=float, default=0.0, help="stage 2: weight of the coverage term 1 - M")
+    t.add_argument("--temperature", type=float, default=1.0, help="stage 2: KL temperature (SwiftKV: 2)")
+    t.add_argument("--hidden-weight", type=float, default=0.0,
+                   help="stage 2: weight of the last hidden state's relative squared error")
+    t.add_argument("--full-rank", action="store_true",
+                   help="train the projections conversion guessed (SWA / bridged K/V, gates) in full, not LoRA")
     t.add_argument("--heldout-windows", type=int, default=2)
     t.add_argument("--heldout-seq-len", type=int, default=1024)
     t.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -8,7 +8,8 @@ Each of their linear projections gets a low-rank update `W + s * B @ A`
 (`s = alpha / rank`); their sinks and bridge norms are trained in full. MLPs,
 norms elsewhere and embeddings stay frozen, so the trained state is small
 (a few MB in bf16 for SmolLM2) and is stored as a delta against the converted
-checkpoint: `apply_delta` rebuilds the recovered model from it.
+checkpoint: `apply_delta` rebuilds the recovered model from it. With `full_rank` the
+projections conversion had to guess (`FULL_RANK_LINEARS`) are trained and stored whole.
 """
 
 import hashlib
@@ -24,6 +25,16 @@ from vllm_hysparse.reference.modeling_hysparse2 import CrossFullAttention, Cross
 CONVERTED_ATTENTION = (HySparseSparseAttention, SlidingAttention, CrossFullAttention, CrossSparseAttention)
 # Parameters of those layers trained in full: a few hundred numbers per layer.
 FULL_PARAMS = ("sinks", "bridge_norm.weight")
+# Projections that `attach_lora(full_rank=True)` trains in full instead of through LoRA: the ones conversion
+# had to guess (HySparse's SWA-branch K/V and gates; HySparse2's bridged K/V and gates), as SwiftKV trains its
+# bridged K/V. SmolLM2-135M: about 0.2M parameters per HySparse sparse layer with headwise gates, 0.9M with
+# elementwise ones.
+FULL_RANK_LINEARS = {
+    HySparseSparseAttention: ("swa_k_proj", "swa_v_proj", "sparse_gate_proj", "swa_gate_proj"),
+    SlidingAttention: ("gate_proj",),
+    CrossFullAttention: ("k_proj", "v_proj"),
+    CrossSparseAttention: ("gate_proj",),
+}
 DELTA_FORMAT = "hysparse-recovery-delta/1"
 
 
@@ -61,15 +72,22 @@ def converted_attention(model) -> dict[str, nn.Module]:
             if isinstance(layer.self_attn, CONVERTED_ATTENTION)}
 
 
-def attach_lora(model, rank: int, alpha: float) -> list[nn.Parameter]:
-    """Freeze `model`, wrap every linear of its converted attention layers; returns the trainable parameters."""
+def attach_lora(model, rank: int, alpha: float, full_rank: bool = False) -> list[nn.Parameter]:
+    """Freeze `model`, wrap every linear of its converted attention layers; returns the trainable parameters.
+
+    `full_rank`: the projections of `FULL_RANK_LINEARS` are trained in full (weight and bias) instead.
+    """
     if rank < 1:
         raise ValueError(f"--rank must be >= 1 (got {rank})")
     model.requires_grad_(False)
     trainable = []
     for attn in converted_attention(model).values():
+        full = FULL_RANK_LINEARS.get(type(attn), ()) if full_rank else ()
         for name, child in list(attn.named_children()):
-            if isinstance(child, nn.Linear):
+            if isinstance(child, nn.Linear) and name in full:
+                child.requires_grad_(True)
+                trainable += list(child.parameters())
+            elif isinstance(child, nn.Linear):
                 lora = LoRALinear(child, rank, alpha)
                 setattr(attn, name, lora)
                 trainable += [lora.lora_A, lora.lora_B]
@@ -113,7 +131,8 @@ def delta_state(model) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         tensors[f"{path}.lora_A"], tensors[f"{path}.lora_B"] = lora.lora_A.detach(), lora.lora_B.detach()
     for path, attn in converted_attention(model).items():
         for name, param in attn.named_parameters():
-            if name.endswith(FULL_PARAMS):
+            # sinks and bridge norms, and the projections trained at full rank (stored whole, not as a change)
+            if name.endswith(FULL_PARAMS) or (param.requires_grad and not name.endswith((".lora_A", ".lora_B"))):
                 tensors[f"{path}.{name}"] = param.detach()
     first = next(iter(loras.values()))
     meta = {"format": DELTA_FORMAT, "rank": str(first.lora_A.shape[0]),

@@ -143,14 +143,31 @@ class CoverageTerm:
         return torch.stack(terms).mean() if terms else torch.zeros(())
 
 
+def distillation_loss(teacher_logits: torch.Tensor, student_logits: torch.Tensor, temperature: float = 1.0,
+                      teacher_hidden: torch.Tensor | None = None, student_hidden: torch.Tensor | None = None,
+                      hidden_weight: float = 0.0) -> torch.Tensor:
+    """`T^2 KL(softmax(t / T) ‖ softmax(s / T))` over logits `[B, T, V]`, plus `hidden_weight` times the
+    relative squared error of the last hidden states `[B, T, E]` (SwiftKV's loss at T = 2)."""
+    loss = kl_divergence(teacher_logits / temperature, student_logits / temperature) * temperature**2
+    if hidden_weight:
+        loss = loss + hidden_weight * relative_mse({0: student_hidden}, {0: teacher_hidden})
+    return loss
+
+
 def end_to_end(teacher, student, windows: list[torch.Tensor], params: list, coverage_weight: float = 0.0,
-               **kw) -> dict:
-    """Stage 2: KL on the logits of every row of a window, plus the optional coverage term."""
+               temperature: float = 1.0, hidden_weight: float = 0.0, **kw) -> dict:
+    """Stage 2: KL (at `temperature`) on the logits of every row of a window, plus the optional hidden-state
+    and coverage terms."""
+    hidden = hidden_weight > 0
+
     def loss(ids):
         with torch.no_grad():
-            target = teacher(ids, use_cache=False).logits
-        kl = kl_divergence(target, student(ids, use_cache=False).logits)
-        return kl + coverage_weight * coverage.take() if coverage_weight else kl
+            target = teacher(ids, use_cache=False, output_hidden_states=hidden)
+        out = student(ids, use_cache=False, output_hidden_states=hidden)
+        value = distillation_loss(target.logits, out.logits, temperature,
+                                  target.hidden_states[-1] if hidden else None,
+                                  out.hidden_states[-1] if hidden else None, hidden_weight)
+        return value + coverage_weight * coverage.take() if coverage_weight else value
 
     with CoverageTerm(student) if coverage_weight else nullcontext() as coverage:
         return run_stage("stage 2: end-to-end KL", loss, windows, params, student=student, **kw)

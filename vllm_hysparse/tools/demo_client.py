@@ -53,6 +53,27 @@ def pages_per_query(lines: list[str]) -> str | None:
             f"over {queries:.0f} (query, KV group) selections" if dense else None)
 
 
+def _totals(lines: list[str]) -> dict[str, float]:
+    return {name: float(value) for name, _, value in (line.rpartition(" ") for line in lines)}
+
+
+def long_context_demo(client: OpenAI, model: str, base_url: str, words: int) -> None:
+    """One long prompt: the pages its sparse queries read, next to what dense attention would read."""
+    facts = [f"Note {i}: the locker numbered {i * 7 % 1000} holds a {c} box." for i, c in
+             zip(range(words // 10), ["red", "blue", "green", "black", "white"] * (words // 50 + 1))]
+    prompt = "\n".join(facts) + "\nQuestion: what colour is the box in the first locker?\nAnswer:"
+    before = _totals(hysparse_metrics(base_url))
+    out = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0)
+    after = _totals(hysparse_metrics(base_url))
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    queries = delta.get("vllm:hysparse_sparse_queries_total", 0.0)
+    if queries:
+        pages = delta["vllm:hysparse_pages_touched_total"] / queries
+        dense = delta["vllm:hysparse_dense_pages_total"] / queries
+        print(f"[long context] {out.usage.prompt_tokens}-token prompt -> {out.choices[0].text!r}; its sparse "
+              f"queries read {pages:.2f} KV pages each, dense attention {dense:.2f} ({pages / dense:.2f}x)")
+
+
 def pic_demo(client: OpenAI, model: str) -> None:
     """Two RAG-shaped PIC requests with the documents in swapped order: the second splices both."""
     from vllm_hysparse.pic.client import pic_text_extra_body
@@ -73,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wait", type=float, default=300, help="seconds to wait for the server to come up")
     parser.add_argument("--questions", nargs="*", default=[], help="chat questions, each answered greedily")
     parser.add_argument("--random-weights", action="store_true", help="the served model has random weights")
+    parser.add_argument("--long-words", type=int, default=800,
+                        help="words in the long-context request (0: none); keep it within --max-model-len")
     args = parser.parse_args(argv)
     try:
         wait_until_healthy(args.base_url, args.wait)
@@ -97,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
             print(chunk.choices[0].delta.content, end="", flush=True)
     print()
     pic_demo(client, model)
+    if args.long_words:
+        long_context_demo(client, model, args.base_url, args.long_words)
     lines = hysparse_metrics(args.base_url)
     for line in lines:
         print(f"[metrics] {line}")
