@@ -64,15 +64,11 @@ def make_llm(model_dir, own_process: bool = False, **kwargs):
     ENGINE_STARTS["offline"] += 1
     if own_process or not _in_process(args):
         return LLM(**args)
-    saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     try:
-        llm = LLM(**args)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            llm = LLM(**args)
     finally:
-        if saved is None:
-            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
-        else:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved
         # An engine core caches vLLM's environment once it is up (vllm/v1/engine/core.py, enable_envs_cache);
         # in this process that would freeze it for every later test.
         vllm.envs.disable_envs_cache()

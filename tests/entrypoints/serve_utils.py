@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import tests.vllm_utils  # noqa: F401  (CPU engine environment, before vLLM starts)
+from vllm_hysparse.metrics import METRICS_DIR_ENV
 
 VLLM = str(Path(sys.executable).parent / "vllm")
 SERVE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
@@ -18,13 +19,12 @@ SERVE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind
 API_KEY = "hostile-test-key"
 MAX_LEN = 512
 VOCAB = 8192  # the tiny preset's vocabulary
-# Set in this process by the plugin's metrics collector once an in-process engine has started; a server
-# that inherited it would publish into that engine's directory and report its counters as its own.
-METRICS_DIR_ENV = "HYSPARSE_METRICS_DIR"
-
-
 def server_env(extra: dict | None = None) -> dict[str, str]:
-    """The environment of a `vllm serve` child: ours, less the metrics directory, plus the CPU engine settings."""
+    """The environment of a `vllm serve` child: ours, less the metrics directory, plus the CPU engine settings.
+
+    The plugin's metrics collector sets the directory in this process once an in-process engine has started;
+    a server that inherited it would publish into that engine's directory and report its counters as its own.
+    """
     env = {k: v for k, v in os.environ.items() if k != METRICS_DIR_ENV}
     return {**env, **SERVE_ENV, **(extra or {})}
 

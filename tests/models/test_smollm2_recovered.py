@@ -39,24 +39,17 @@ def recovered(tmp_path_factory) -> Path:
     return out / "smollm2-hysparse-recovered"
 
 
-@pytest.fixture(scope="module")
-def prompts(recovered) -> list[list[int]]:
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(recovered)
-    return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
-                                    return_dict=False) for q, _ in QUESTIONS]
-
-
-def test_recovered_student_answers_and_matches_reference(recovered, prompts):
+def test_recovered_student_answers_and_matches_reference(recovered):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    tok = AutoTokenizer.from_pretrained(recovered)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                       tokenize=True, return_dict=False) for q, _ in QUESTIONS]
     llm = make_llm(recovered, max_model_len=512, enforce_eager=True)
     try:
         got = vllm_greedy(llm, prompts, MAX_TOKENS)
     finally:
         shutdown(llm)
-    tok = AutoTokenizer.from_pretrained(recovered)
     answers = [tok.decode(c.token_ids, skip_special_tokens=True) for c in got]
     right = [bool(re.search(pattern, a)) for (_, pattern), a in zip(QUESTIONS, answers, strict=True)]
     print(f"\n[smollm2] engine answers: {answers} (right: {right})")

@@ -38,23 +38,27 @@ def hysparse_metrics(base_url: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("vllm:hysparse_")]
 
 
-def pages_per_query(lines: list[str]) -> str | None:
-    """One line from the `vllm:hysparse_*` counters: pages read per sparse query against a dense model's."""
-    values = {}
-    for line in lines:
-        name, _, value = line.rpartition(" ")
-        values[name] = float(value)
-    queries = values.get("vllm:hysparse_sparse_queries_total", 0.0)
-    if not queries:
-        return None
-    pages = values.get("vllm:hysparse_pages_touched_total", 0.0) / queries
-    dense = values.get("vllm:hysparse_dense_pages_total", 0.0) / queries
-    return (f"{pages:.2f} KV pages per sparse query, {dense:.2f} for a dense model ({pages / dense:.2f}x) "
-            f"over {queries:.0f} (query, KV group) selections" if dense else None)
-
-
 def _totals(lines: list[str]) -> dict[str, float]:
     return {name: float(value) for name, _, value in (line.rpartition(" ") for line in lines)}
+
+
+def _pages(totals: dict[str, float]) -> tuple[float, float, float] | None:
+    """(sparse queries, KV pages read per query, pages dense attention reads per query) of counter totals."""
+    queries = totals.get("vllm:hysparse_sparse_queries_total", 0.0)
+    if not queries:
+        return None
+    return (queries, totals.get("vllm:hysparse_pages_touched_total", 0.0) / queries,
+            totals.get("vllm:hysparse_dense_pages_total", 0.0) / queries)
+
+
+def pages_per_query(lines: list[str]) -> str | None:
+    """One line from the `vllm:hysparse_*` counters: pages read per sparse query against a dense model's."""
+    found = _pages(_totals(lines))
+    if found is None or not found[2]:
+        return None
+    queries, pages, dense = found
+    return (f"{pages:.2f} KV pages per sparse query, {dense:.2f} for a dense model ({pages / dense:.2f}x) "
+            f"over {queries:.0f} (query, KV group) selections")
 
 
 def long_context_demo(client: OpenAI, model: str, base_url: str, words: int) -> None:
@@ -65,11 +69,9 @@ def long_context_demo(client: OpenAI, model: str, base_url: str, words: int) -> 
     before = _totals(hysparse_metrics(base_url))
     out = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0)
     after = _totals(hysparse_metrics(base_url))
-    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-    queries = delta.get("vllm:hysparse_sparse_queries_total", 0.0)
-    if queries:
-        pages = delta["vllm:hysparse_pages_touched_total"] / queries
-        dense = delta["vllm:hysparse_dense_pages_total"] / queries
+    found = _pages({k: after[k] - before.get(k, 0.0) for k in after})
+    if found is not None and found[2]:
+        _, pages, dense = found
         print(f"[long context] {out.usage.prompt_tokens}-token prompt -> {out.choices[0].text!r}; its sparse "
               f"queries read {pages:.2f} KV pages each, dense attention {dense:.2f} ({pages / dense:.2f}x)")
 
