@@ -118,7 +118,7 @@ def test_hysparse_kv_maps_and_head_moves_are_exact_folds(checkpoints):
     the SWA projections and the head permutation cancel: the initialised student computes the converted one."""
     teacher, student = _load(checkpoints["teacher"]), _load(checkpoints["hysparse"])
     converted = _load(checkpoints["hysparse"])
-    report = init.initialise(teacher, student, _windows(2, teacher.config.vocab_size, SEED),
+    report, _ = init.initialise(teacher, student, _windows(2, teacher.config.vocab_size, SEED),
                              steps=("kv_maps",))
     assert all(e["kept"] for e in report["kv_maps"]), report
     # Something moved: the fit is not the identity.

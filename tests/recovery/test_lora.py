@@ -7,7 +7,9 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from vllm_hysparse.recovery import __main__ as cli
-from vllm_hysparse.recovery.lora import LoRALinear, apply_delta, attach_lora, delta_state
+from vllm_hysparse.recovery import init
+from vllm_hysparse.recovery.lora import (GATES, LoRALinear, apply_delta, attach_lora, base_digest, converted_linears,
+                                         delta_state)
 from vllm_hysparse.reference.modeling_hysparse import HySparseFullAttention
 from vllm_hysparse.reference.modeling_hysparse2 import SelfFullAttention
 
@@ -16,6 +18,12 @@ RANK, ALPHA = 4, 8.0
 
 def _load(path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+def _digest(path):
+    """The base digest of the converted checkpoint at `path`, from a fresh copy of it."""
+    base = _load(path)
+    return base_digest(base, converted_linears(base))
 
 
 def _randomise_trainable(model, seed):
@@ -58,7 +66,7 @@ def test_delta_rebuilds_the_trained_model(checkpoints, arch, tmp_path):
     trained = _load(checkpoints[arch])
     attach_lora(trained, RANK, ALPHA)
     _randomise_trainable(trained, int(torch.randint(1 << 30, ())))
-    tensors, meta = delta_state(trained)
+    tensors, meta = delta_state(trained, _digest(checkpoints[arch]))
     base_sd = _load(checkpoints[arch]).state_dict()
     rebuilt = _load(checkpoints[arch])
     apply_delta(rebuilt, tensors, meta)
@@ -80,8 +88,8 @@ def test_delta_rebuilds_the_trained_model(checkpoints, arch, tmp_path):
                                    atol=1e-4, rtol=1e-4)
 
 
-def _write_delta(model, path):
-    tensors, meta = delta_state(model)
+def _write_delta(model, path, digest):
+    tensors, meta = delta_state(model, digest)
     path.mkdir()
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / cli.DELTA_FILE), metadata=meta)
     return tensors, meta
@@ -92,10 +100,11 @@ def hysparse_delta(checkpoints, tmp_path):
     model = _load(checkpoints["hysparse"])
     attach_lora(model, RANK, ALPHA)
     _randomise_trainable(model, 3)
-    return _write_delta(model, tmp_path / "delta")
+    return _write_delta(model, tmp_path / "delta", _digest(checkpoints["hysparse"]))
 
 
 def _run_apply(capsys, *argv):
+    capsys.readouterr()  # drop what building the inputs printed (loading bars before main() turns them off)
     rc = cli.main(["apply", *map(str, argv)])
     return rc, capsys.readouterr().err
 
@@ -161,8 +170,10 @@ def test_full_rank_trains_the_guessed_projections_whole_and_the_delta_rebuilds_t
     params = attach_lora(trained, RANK, ALPHA, full_rank=True)
     with torch.no_grad():
         torch.testing.assert_close(trained(ids, use_cache=False).logits, before, atol=0, rtol=0)
+    # Gates only when headwise: an elementwise gate (this conversion's) is as large as q_proj and gets LoRA.
     whole = {f"model.layers.{i}.self_attn.{n}.weight" for i, layer in enumerate(trained.model.layers)
-             for n in FULL_RANK_LINEARS.get(type(layer.self_attn), ())}
+             for n in FULL_RANK_LINEARS.get(type(layer.self_attn), ())
+             if n not in GATES or getattr(layer.self_attn, n).weight.shape[0] == trained.config.num_attention_heads}
     assert whole, "this converted model has no projection to train whole"
     named = dict(trained.named_parameters())
     assert {id(named[n]) for n in whole} <= {id(p) for p in params}
@@ -170,7 +181,7 @@ def test_full_rank_trains_the_guessed_projections_whole_and_the_delta_rebuilds_t
         module = trained.get_submodule(name.rsplit(".", 1)[0])
         assert type(module) is torch.nn.Linear and module.weight.requires_grad, name
     _randomise_trainable(trained, 5)
-    tensors, meta = delta_state(trained)
+    tensors, meta = delta_state(trained, _digest(checkpoints[arch]))
     assert whole <= set(tensors)
     rebuilt = _load(checkpoints[arch])
     apply_delta(rebuilt, tensors, meta)
@@ -179,3 +190,96 @@ def test_full_rank_trains_the_guessed_projections_whole_and_the_delta_rebuilds_t
     with torch.no_grad():
         torch.testing.assert_close(rebuilt(ids, use_cache=False).logits, trained(ids, use_cache=False).logits,
                                    atol=1e-4, rtol=1e-4)
+
+
+def _calibration(vocab, seed, n=2, t=96):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (1, t), generator=gen) for _ in range(n)]
+
+
+@pytest.mark.parametrize("arch", ["hysparse", "hysparse2"])
+def test_delta_carries_stage0_and_applies_to_the_converted_checkpoint(checkpoints, arch, fixed_seed):
+    """Training from stage 0: the delta holds its record, and apply(converted, delta) rebuilds the trained model,
+    init included; the record alone rebuilds the initialised model, with every fitted tensor moved."""
+    print(f"seed {fixed_seed}")
+    teacher, trained = _load(checkpoints["teacher"]), _load(checkpoints[arch])
+    converted_sd = {k: v.clone() for k, v in trained.state_dict().items()}
+    digest = base_digest(trained, converted_linears(trained))
+    _, record = init.initialise(teacher, trained, _calibration(teacher.config.vocab_size, fixed_seed))
+    assert record and all(k.startswith(init.INIT_PREFIX) for k in record)
+    initialised_sd = {k: v.clone() for k, v in trained.state_dict().items()}
+    # The record alone, on a fresh copy of the converted checkpoint, gives the initialised model exactly.
+    fresh = _load(checkpoints[arch])
+    init.apply_init(fresh, record)
+    moved = [k for k, v in fresh.state_dict().items() if not torch.equal(v, converted_sd[k])]
+    assert moved, "stage 0 changed nothing"
+    for k, v in fresh.state_dict().items():
+        torch.testing.assert_close(v, initialised_sd[k], atol=0, rtol=0, msg=k)
+    attach_lora(trained, RANK, ALPHA, full_rank=True)
+    _randomise_trainable(trained, fixed_seed)
+    tensors, meta = delta_state(trained, digest, record)
+    rebuilt = _load(checkpoints[arch])
+    apply_delta(rebuilt, tensors, meta)
+    ids = torch.randint(0, trained.config.vocab_size, (1, 80))
+    with torch.no_grad():
+        got, want = rebuilt(ids, use_cache=False).logits, trained(ids, use_cache=False).logits
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    print(f"{arch}: stage 0 moved {len(moved)} tensors; rebuilt logits max |diff| {float((got - want).abs().max()):.2e}")
+    # The same delta on the initialised checkpoint (not its base) is refused: the digest is the converted one's.
+    other = _load(checkpoints[arch])
+    other.load_state_dict(initialised_sd)
+    with pytest.raises(ValueError, match="different base checkpoint"):
+        apply_delta(other, tensors, meta)
+
+
+def test_a_stage0_record_that_does_not_fit_is_refused_with_one_line(checkpoints):
+    model = _load(checkpoints["hysparse"])
+    layer = model.config.num_hidden_layers
+    with pytest.raises(ValueError, match=f"model.layers.{layer}.self_attn, which the model does not have"):
+        init.apply_init(model, {init.init_key(layer, "q_maps"): torch.zeros(1, 2, 2)})
+    sparse = next(iter(model.config.oracle_layer))
+    with pytest.raises(ValueError, match="does not fit this layer"):
+        init.apply_init(model, {init.init_key(sparse, "sparse_gate_proj.headwise"): torch.zeros(3, 5)})
+    with pytest.raises(ValueError, match="not a stage-0 initialisation tensor"):
+        init.apply_init(model, {init.init_key(sparse, "mlp.weight"): torch.zeros(1)})
+
+
+def test_a_stage0_record_replays_as_written_by_hand(checkpoints, fixed_seed):
+    """apply_init against the record's meaning, computed here head by head: new head i is old head order[i]
+    with its q rows times q_maps[order[i]] and o columns times o_maps[order[i]]; new SWA group j is old group
+    kv_order[j] times its maps; sinks follow their heads; headwise gates are repeated over Dv."""
+    print(f"seed {fixed_seed}")
+    gen = torch.Generator().manual_seed(fixed_seed)
+    model = _load(checkpoints["hysparse"])
+    cfg = model.config
+    layer = next(iter(cfg.oracle_layer))
+    attn = model.model.layers[layer].self_attn
+    h, g, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    dv = attn.o_proj.in_features // h
+    old = {n: p.detach().clone() for n, p in attn.named_parameters()}
+    rec = {"q_maps": torch.randn(h, d, d, generator=gen), "o_maps": torch.randn(h, dv, dv, generator=gen),
+           "swa_k_maps": torch.randn(g, d, d, generator=gen), "swa_v_maps": torch.randn(g, dv, dv, generator=gen),
+           "head_order": torch.randperm(h, generator=gen), "kv_order": torch.randperm(g, generator=gen),
+           "sparse_gate_proj.headwise": torch.randn(h, cfg.hidden_size, generator=gen)}
+    init.apply_init(model, {init.init_key(layer, k): v for k, v in rec.items()})
+    new = dict(attn.named_parameters())
+    order, kv_order = rec["head_order"].tolist(), rec["kv_order"].tolist()
+    for i, src in enumerate(order):
+        torch.testing.assert_close(new["q_proj.weight"][i * d:(i + 1) * d],
+                                   rec["q_maps"][src] @ old["q_proj.weight"][src * d:(src + 1) * d])
+        torch.testing.assert_close(new["o_proj.weight"][:, i * dv:(i + 1) * dv],
+                                   old["o_proj.weight"][:, src * dv:(src + 1) * dv] @ rec["o_maps"][src])
+        for sinks in ("sparse_sinks", "swa_sinks"):
+            if sinks in old:
+                assert new[sinks][i] == old[sinks][src]
+    for j, src in enumerate(kv_order):
+        for name, dd in (("swa_k", d), ("swa_v", dv)):
+            torch.testing.assert_close(new[f"{name}_proj.weight"][j * dd:(j + 1) * dd],
+                                       rec[f"{name}_maps"][src] @ old[f"{name}_proj.weight"][src * dd:(src + 1) * dd])
+    rows = new["sparse_gate_proj.weight"].shape[0] // h
+    for i in range(h):
+        assert torch.equal(new["sparse_gate_proj.weight"][i * rows:(i + 1) * rows],
+                           rec["sparse_gate_proj.headwise"][i].expand(rows, -1))
+    # the SWA gate was not in the record: only moved with its heads
+    torch.testing.assert_close(new["swa_gate_proj.weight"].view(h, rows, -1),
+                               old["swa_gate_proj.weight"].view(h, rows, -1)[order], atol=0, rtol=0)

@@ -111,8 +111,9 @@ def test_coverage_term_raises_coverage(checkpoints, arch):
     assert after > before + 0.03, (before, after)
 
 
-@pytest.mark.parametrize("extra", [[], ["--full-rank", "--temperature", "2", "--hidden-weight", "1"]],
-                         ids=["lora", "full-rank-t2-hidden"])
+@pytest.mark.parametrize("extra", [[], ["--full-rank", "--temperature", "2", "--hidden-weight", "1"],
+                                   ["--init", "--init-tokens", "192", "--init-seq-len", "96", "--full-rank"]],
+                         ids=["lora", "full-rank-t2-hidden", "init-full-rank"])
 def test_cli_train_then_apply_gives_the_same_checkpoint(checkpoints, tmp_path, capsys, extra):
     delta, out, rebuilt = tmp_path / "delta", tmp_path / "recovered", tmp_path / "rebuilt"
     rc = cli.main(["train", "--teacher", str(checkpoints["teacher"]), "--student", str(checkpoints["hysparse"]),
@@ -123,11 +124,16 @@ def test_cli_train_then_apply_gives_the_same_checkpoint(checkpoints, tmp_path, c
     assert rc == 0, captured.err
     report = json.loads((delta / cli.REPORT_FILE).read_text())
     assert [p["stage"] for p in report["curve"]][0] == "converted"
-    assert {s["stage"][:7] for s in report["stages"]} == {"stage 1", "stage 2"}
+    with_init = "--init" in extra
+    assert {s["stage"][:7] for s in report["stages"]} == {"stage 1", "stage 2"} | ({"stage 0"} if with_init else set())
     assert (delta / "curve.png").stat().st_size > 1000
     tensors = load_file(str(delta / cli.DELTA_FILE))
-    assert all(t.dtype == torch.bfloat16 for t in tensors.values())
-    assert report["trainable_parameters"] == sum(t.numel() for t in tensors.values())
+    record = {k: t for k, t in tensors.items() if k.startswith("init.")}
+    assert bool(record) == with_init
+    # Trained tensors in bf16; the stage-0 record at full precision (float32 maps, int64 head orders).
+    assert all(t.dtype == torch.bfloat16 for k, t in tensors.items() if k not in record)
+    assert all(t.dtype in (torch.float32, torch.int64) for t in record.values())
+    assert report["trainable_parameters"] == sum(t.numel() for k, t in tensors.items() if k not in record)
     assert cli.main(["apply", "--base", str(checkpoints["hysparse"]), "--delta", str(delta), "--out",
                      str(rebuilt)]) == 0
     a, b, base = load_file(str(out / "model.safetensors")), load_file(str(rebuilt / "model.safetensors")), \
@@ -135,8 +141,9 @@ def test_cli_train_then_apply_gives_the_same_checkpoint(checkpoints, tmp_path, c
     assert a.keys() == b.keys() == base.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert any(not torch.equal(a[k], base[k]) for k in a), "training changed nothing"
-    if extra:  # the SWA-branch K/V were trained whole and stored as such
-        assert any(k.endswith("swa_k_proj.weight") for k in tensors) and report["settings"]["temperature"] == 2.0
+    if "--full-rank" in extra:  # the SWA-branch K/V were trained whole and stored as such
+        assert any(k.endswith("swa_k_proj.weight") for k in tensors)
+    assert report["settings"]["temperature"] == (2.0 if "--temperature" in extra else 1.0)
 
 
 def test_cli_train_refuses_a_dense_student(checkpoints, tmp_path, capsys):

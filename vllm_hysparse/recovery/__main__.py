@@ -12,6 +12,9 @@ activations, folded into the converted checkpoint's own tensors; its report
 goes to `initialised/init.json`. Train from the initialised checkpoint as the
 delta's base.
 
+`train --init` runs stage 0 in memory first and the delta carries its record,
+so the delta's base stays the converted checkpoint.
+
 `train` writes `delta/delta.safetensors` (LoRA factors, sinks and bridge
 norms in bf16, with the rank and a digest of the base weights) and
 `delta/recovery.json` (settings, stages and the held-out KL per CPU-minute),
@@ -36,8 +39,8 @@ from transformers.utils import logging as hf_logging
 import vllm_hysparse  # noqa: F401  (registers our configs and models)
 from vllm_hysparse.distill import save as save_checkpoint
 from vllm_hysparse.recovery import corpus
-from vllm_hysparse.recovery.init import initialise_checkpoint
-from vllm_hysparse.recovery.lora import apply_delta, attach_lora, delta_state
+from vllm_hysparse.recovery.init import INIT_PREFIX, STEP_ORDER, initialise, initialise_checkpoint
+from vllm_hysparse.recovery.lora import apply_delta, attach_lora, base_digest, converted_linears, delta_state
 from vllm_hysparse.recovery.train import Clock, HeldOut, end_to_end, local_transfer
 from vllm_hysparse.tools.staging import staged_output
 
@@ -108,12 +111,28 @@ def train(args) -> dict:
     text = corpus.training_text(args.train_chars, args.seed)
     heldout = HeldOut.build(teacher, [w.to(device) for w in windows_of(
         tokenizer, corpus.heldout_text(), args.heldout_seq_len, args.heldout_windows)])
-    params = attach_lora(student, args.rank, args.alpha, full_rank=args.full_rank)
-    clock, curve = Clock(), []
+    digest = base_digest(student, converted_linears(student))
+    clock, curve, stages = Clock(), [], []
     curve.append({"stage": "converted", "step": 0, "train_minutes": 0.0, "wall_minutes": 0.0, "cpu_minutes": 0.0,
                   **heldout.evaluate(student)})
+    record = None
+    if args.init:
+        # Stage 0 on the training text (never the held-out text); the delta carries what it did.
+        calib = windows_of(tokenizer, text, args.init_seq_len, max(1, args.init_tokens // args.init_seq_len))
+        init_report, record = initialise(teacher, student, [w.to(device) for w in calib],
+                                         steps=tuple(args.init_steps.split(",")))
+        wall, cpu = clock.minutes()
+        stages.append({"stage": "stage 0: closed-form initialisation", "minutes": wall,
+                       "tokens": init_report["tokens"], "steps": init_report["steps"]})
+        curve.append({"stage": "stage 0: closed-form initialisation", "step": 0, "train_minutes": wall,
+                      "wall_minutes": wall, "cpu_minutes": cpu, **heldout.evaluate(student)})
+    params = attach_lora(student, args.rank, args.alpha, full_rank=args.full_rank)
+    # Projections trained whole move at `--full-rank-lr-scale` times the rate of LoRA factors and small vectors.
+    whole = {id(p) for p in params if p.ndim == 2} - {id(p) for n, p in student.named_parameters()
+                                                     if n.endswith((".lora_A", ".lora_B"))}
+    params = [{"params": [p for p in params if id(p) not in whole]},
+              {"params": [p for p in params if id(p) in whole], "lr_scale": args.full_rank_lr_scale}]
     common = dict(clock=clock, heldout=heldout, curve=curve, seed=args.seed)
-    stages = []
     if args.stage1_minutes > 0:
         w1 = [w.to(device) for w in windows_of(tokenizer, text, args.seq_len, args.windows)]
         stages.append(local_transfer(teacher, student, w1, params, minutes=args.stage1_minutes, lr=args.lr1,
@@ -123,14 +142,16 @@ def train(args) -> dict:
         stages.append(end_to_end(teacher, student, w2, params, coverage_weight=args.coverage_weight,
                                  temperature=args.temperature, hidden_weight=args.hidden_weight,
                                  minutes=args.stage2_minutes, lr=args.lr2, **common))
-    tensors, meta = delta_state(student)
+    tensors, meta = delta_state(student, digest, record)
     report = {"teacher": args.teacher, "student": args.student, "settings": {
         k: v for k, v in vars(args).items() if k not in ("func", "teacher", "student", "delta", "out", "force")},
-        "trainable_parameters": sum(t.numel() for t in tensors.values()), "stages": stages, "curve": curve,
-        "torch": torch.__version__, "threads": torch.get_num_threads()}
+        "trainable_parameters": sum(t.numel() for k, t in tensors.items() if not k.startswith(INIT_PREFIX)),
+        "init_record_parameters": sum(t.numel() for k, t in tensors.items() if k.startswith(INIT_PREFIX)),
+        "stages": stages, "curve": curve, "torch": torch.__version__, "threads": torch.get_num_threads()}
     with staged_output(Path(args.delta)) as tmp:
-        save_file({k: v.to(torch.bfloat16).contiguous().cpu() for k, v in tensors.items()}, str(tmp / DELTA_FILE),
-                  metadata=meta)
+        # Trained tensors in bf16; the stage-0 record as it was fitted (its maps and their inverses must agree).
+        save_file({k: (v if k.startswith(INIT_PREFIX) else v.to(torch.bfloat16)).contiguous().cpu()
+                   for k, v in tensors.items()}, str(tmp / DELTA_FILE), metadata=meta)
         (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2))
         plot_curve(curve, tmp / "curve.png")
     if args.out:
@@ -179,6 +200,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="stage 2: weight of the last hidden state's relative squared error")
     t.add_argument("--full-rank", action="store_true",
                    help="train the projections conversion guessed (SWA / bridged K/V, gates) in full, not LoRA")
+    t.add_argument("--full-rank-lr-scale", type=float, default=0.1,
+                   help="learning rate of the projections trained whole, relative to --lr1 / --lr2")
+    t.add_argument("--init", action="store_true",
+                   help="stage 0 first (closed-form fits on the training text); the delta carries its record")
+    t.add_argument("--init-steps", default=",".join(STEP_ORDER), help="stage 0: comma-separated steps")
+    t.add_argument("--init-tokens", type=int, default=4096, help="stage 0: calibration tokens")
+    t.add_argument("--init-seq-len", type=int, default=2048, help="stage 0: calibration window length")
     t.add_argument("--heldout-windows", type=int, default=2)
     t.add_argument("--heldout-seq-len", type=int, default=1024)
     t.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -48,12 +48,15 @@ from dataclasses import dataclass
 import torch
 
 from vllm_hysparse.recovery.fast_ops import fast_reference_ops
+from vllm_hysparse.recovery.folds import (INIT_PREFIX, Record, apply_init, fold_query_map, fold_rows,  # noqa: F401
+                                          fold_value_map, init_key, permute_heads)
 from vllm_hysparse.recovery.local import teacher_activations
 from vllm_hysparse.reference import ops
 
 HOLDOUT_FRACTION = 0.25
-
-
+# The steps, in the order they are fitted and applied, and the architectures each applies to.
+STEP_ORDER = ("bridges", "kv_maps", "gates")
+STEP_ARCHS = {"bridges": ("hysparse2",), "kv_maps": ("hysparse", "hysparse2"), "gates": ("hysparse",)}
 # --------------------------------------------------------------------------- the fits
 
 
@@ -117,70 +120,6 @@ def _progress(msg: str) -> None:
 
 def relative_error(pred: torch.Tensor, target: torch.Tensor) -> float:
     return float((pred.double() - target.double()).pow(2).sum() / target.double().pow(2).sum().clamp_min(1e-30))
-
-
-# --------------------------------------------------------------------------- folds into existing tensors
-
-
-def _heads(t: torch.Tensor, n: int) -> torch.Tensor:
-    """`[n*D, ...]` -> a `[n, D, ...]` view."""
-    return t.view(n, -1, *t.shape[1:])
-
-
-def fold_query_map(q_proj: torch.nn.Linear, head: int, m: torch.Tensor) -> None:
-    """Head `head`'s pre-RoPE query becomes `Mᵀ q`, so that `q' · RoPE(k) = q · RoPE(M k)`."""
-    fold_rows(q_proj, head, m.T)
-
-
-@torch.no_grad()
-def fold_rows(proj: torch.nn.Linear, group: int, m: torch.Tensor) -> None:
-    """Output slice `group` (a head or KV group, `m.shape[0]` wide) of `proj` becomes `m` times it."""
-    d = m.shape[0]
-    rows = slice(group * d, (group + 1) * d)
-    mm = m.to(proj.weight.dtype)
-    proj.weight[rows] = mm @ proj.weight[rows]
-    if proj.bias is not None:
-        proj.bias[rows] = mm @ proj.bias[rows]
-
-
-@torch.no_grad()
-def fold_value_map(o_proj: torch.nn.Linear, head: int, a: torch.Tensor) -> None:
-    """`o_proj` reads head `head`'s attention output `o` as `A o`."""
-    dv = a.shape[0]
-    cols = slice(head * dv, (head + 1) * dv)
-    o_proj.weight[:, cols] = o_proj.weight[:, cols] @ a.to(o_proj.weight.dtype)
-
-
-@torch.no_grad()
-def permute_heads(attn, order: list[int], kv_order: list[int] | None = None) -> None:
-    """New query head `i` is old head `order[i]`: q rows, o columns, gate rows and sinks move with it.
-
-    `kv_order` likewise permutes the layer's own SWA KV groups (HySparse),
-    which must move with their heads for the SWA branch to stay the same.
-    """
-    cfg = attn.config
-    h = cfg.num_attention_heads
-    idx = torch.tensor(order)
-    for lin in (attn.q_proj,):
-        lin.weight.copy_(_heads(lin.weight, h)[idx].reshape(lin.weight.shape))
-        if lin.bias is not None:
-            lin.bias.copy_(_heads(lin.bias, h)[idx].reshape(lin.bias.shape))
-    w = attn.o_proj.weight
-    w.copy_(_heads(w.T, h)[idx].reshape(w.T.shape).T)
-    for name in ("gate_proj", "sparse_gate_proj", "swa_gate_proj"):
-        if hasattr(attn, name):
-            g = getattr(attn, name).weight
-            g.copy_(_heads(g, h)[idx].reshape(g.shape))
-    for name in ("sinks", "sparse_sinks", "swa_sinks"):
-        s = getattr(attn, name, None)
-        if s is not None:
-            s.copy_(s[idx])
-    if kv_order is not None:
-        gi = torch.tensor(kv_order)
-        for lin in (attn.swa_k_proj, attn.swa_v_proj):
-            lin.weight.copy_(_heads(lin.weight, cfg.num_key_value_heads)[gi].reshape(lin.weight.shape))
-            if lin.bias is not None:
-                lin.bias.copy_(_heads(lin.bias, cfg.num_key_value_heads)[gi].reshape(lin.bias.shape))
 
 
 def group_permutation(cost: torch.Tensor) -> list[int]:
@@ -278,8 +217,8 @@ def teacher_kv(teacher, layer: int, h: torch.Tensor, qk_normed: bool = True):
 
 
 @torch.no_grad()
-def fit_bridges(teacher, student, calib: Calibration, ridge: float) -> list[dict]:
-    """HySparse2: refit each cross full layer's K/V projection on its bridge source's normed input."""
+def fit_bridges(teacher, student, calib: Calibration, ridge: float, record: Record) -> list[dict]:
+    """HySparse2: refit each cross full layer's K/V projection on its bridge source's normed input (into `record`)."""
     cfg, report = student.config, []
     for c, src in cfg.bridge_source.items():
         attn = student.model.layers[c].self_attn
@@ -296,9 +235,9 @@ def fit_bridges(teacher, student, calib: Calibration, ridge: float) -> list[dict
             fitted = relative_error(fitted_pred, y_held)
             keep = fitted < copied
             if keep:
-                proj.weight.copy_(w_new.to(proj.weight.dtype))
+                record[init_key(c, f"{name}.weight")] = w_new.float()
                 if b_new is not None:
-                    proj.bias.copy_(b_new.to(proj.bias.dtype))
+                    record[init_key(c, f"{name}.bias")] = b_new.float()
             entry[name[0]] = {"copied": copied, "fitted": fitted, "kept": keep}
         report.append(entry)
         _progress(f"bridge {src} -> {c}: held-out K error {entry['k']['copied']:.3f} -> {entry['k']['fitted']:.3f}, "
@@ -325,8 +264,8 @@ def _query(student, hidden, layer: int):
 
 
 @torch.no_grad()
-def fit_kv_maps(teacher, student, calib: Calibration, ridge: float) -> list[dict]:
-    """Key / value maps and head assignment for every layer that reads another layer's cache."""
+def fit_kv_maps(teacher, student, calib: Calibration, ridge: float, record: Record) -> list[dict]:
+    """Key / value maps and head assignment for every layer that reads another layer's cache (into `record`)."""
     cfg = student.config
     h, g = cfg.num_attention_heads, cfg.num_key_value_heads
     per = h // g
@@ -379,24 +318,20 @@ def fit_kv_maps(teacher, student, calib: Calibration, ridge: float) -> list[dict
                   f"{entry['heldout_v_fitted']:.3f}, heads -> groups {group_of_head}{'' if kept else ' (not kept)'}")
         if not kept:
             continue
-        for hd in range(h):
-            go, gf = hd // per, group_of_head[hd]
-            fold_query_map(attn.q_proj, hd, maps_k[go, gf])
-            fold_value_map(attn.o_proj, hd, maps_v[go, gf])
+        pick = [(hd // per, group_of_head[hd]) for hd in range(h)]
+        record[init_key(layer, "q_maps")] = torch.stack([maps_k[p].T for p in pick]).float()
+        record[init_key(layer, "o_maps")] = torch.stack([maps_v[p] for p in pick]).float()
+        record[init_key(layer, "head_order")] = torch.tensor(slots_for(group_of_head, per))
         if cfg.model_type == "hysparse":
             # The SWA branch keeps its logits and values: the inverse maps go into its own K/V.
-            for go in range(g):
-                gf = group_of_head[go * per]
-                fold_rows(attn.swa_k_proj, go, torch.linalg.inv(maps_k[go, gf]))
-                fold_rows(attn.swa_v_proj, go, torch.linalg.inv(maps_v[go, gf]))
+            own = [(go, group_of_head[go * per]) for go in range(g)]
+            record[init_key(layer, "swa_k_maps")] = torch.stack([torch.linalg.inv(maps_k[p]) for p in own]).float()
+            record[init_key(layer, "swa_v_maps")] = torch.stack([torch.linalg.inv(maps_v[p]) for p in own]).float()
             kv_order = [0] * g
             for go in range(g):
                 kv_order[group_of_head[go * per]] = go
-            permute_heads(attn, slots_for(group_of_head, per), kv_order)
-            entry["value_map_cond"] = max(float(torch.linalg.cond(maps_v[go, group_of_head[go * per]]))
-                                          for go in range(g))
-        else:
-            permute_heads(attn, slots_for(group_of_head, per))
+            record[init_key(layer, "kv_order")] = torch.tensor(kv_order)
+            entry["value_map_cond"] = max(float(torch.linalg.cond(maps_v[p])) for p in own)
     return report
 
 
@@ -428,8 +363,9 @@ def _branches(student, hidden, layer: int, positions):
 
 
 @torch.no_grad()
-def fit_gates(student, calib: Calibration, ridge: float, eps: float = 0.02) -> list[dict]:
-    """HySparse: headwise gate weights fitted to the per-token mix of the two branches closest to the teacher."""
+def fit_gates(student, calib: Calibration, ridge: float, record: Record, eps: float = 0.02) -> list[dict]:
+    """HySparse: headwise gate weights fitted to the per-token mix of the two branches closest to the teacher
+    (into `record`, `[H, hidden]` per gate)."""
     cfg = student.config
     h = cfg.num_attention_heads
     report = []
@@ -472,29 +408,41 @@ def fit_gates(student, calib: Calibration, ridge: float, eps: float = 0.02) -> l
         _progress(f"layer {layer} gates: held-out output error {copied:.3f} -> {fitted:.3f}"
                   f"{'' if kept else ' (not kept)'}")
         if kept:
-            for proj, w in ((attn.sparse_gate_proj, ws[0]), (attn.swa_gate_proj, ws[1])):
-                rows = proj.weight.shape[0] // h  # Dv (elementwise: repeated) or 1 (headwise)
-                proj.weight.copy_(w.repeat_interleave(rows, 0).to(proj.weight.dtype))
+            record[init_key(layer, "sparse_gate_proj.headwise")] = ws[0].float()
+            record[init_key(layer, "swa_gate_proj.headwise")] = ws[1].float()
     return report
 
 
 def initialise(teacher, student, windows: list[torch.Tensor], *, ridge: float = 1e-4,
-               steps: tuple[str, ...] = ("bridges", "kv_maps", "gates")) -> dict:
-    """Fit `steps` in order into `student` (in place) on teacher activations over `windows` (`[1, T]` each)."""
-    bad = set(steps) - {"bridges", "kv_maps", "gates"}
+               steps: tuple[str, ...] = ("bridges", "kv_maps", "gates")) -> tuple[dict, Record]:
+    """Fit `steps` in order into `student` (in place) on teacher activations over `windows` (`[1, T]` each).
+
+    Returns (report, record): `apply_init(converted, record)` turns another
+    copy of the converted student into this one.
+    """
+    bad = set(steps) - set(STEP_ORDER)
     if bad:
         raise ValueError(f"unknown init step(s) {sorted(bad)}; choose from bridges, kv_maps, gates")
     calib = Calibration.collect(teacher, windows)
     report = {"tokens": sum(calib.seq_lens), "windows": len(windows), "ridge": ridge, "steps": list(steps)}
-    if "bridges" in steps and student.config.model_type == "hysparse2":
-        report["bridges"] = fit_bridges(teacher, student, calib, ridge)
-    if "kv_maps" in steps:
-        report["kv_maps"] = fit_kv_maps(teacher, student, calib, ridge)
-    if "gates" in steps and student.config.model_type == "hysparse":
-        # The same math as the reference ops, on fused kernels (tested against them).
-        with fast_reference_ops():
-            report["gates"] = fit_gates(student, calib, ridge)
-    return report
+    cfg, record = student.config, {}
+    # Each step fits on the student as the previous steps left it (the key maps read the bridged K/V, the
+    # gates the folded branches), so each is applied before the next is fitted.
+    for step in STEP_ORDER:
+        if step not in steps or cfg.model_type not in STEP_ARCHS[step]:
+            continue
+        part: Record = {}
+        if step == "bridges":
+            report[step] = fit_bridges(teacher, student, calib, ridge, part)
+        elif step == "kv_maps":
+            report[step] = fit_kv_maps(teacher, student, calib, ridge, part)
+        else:
+            # The same math as the reference ops, on fused kernels (tested against them).
+            with fast_reference_ops():
+                report[step] = fit_gates(student, calib, ridge, part)
+        apply_init(student, part)
+        record.update(part)
+    return report, record
 
 
 def initialise_checkpoint(teacher_dir, student_dir, text: str, *, tokens: int = 4096, seq_len: int = 2048,
@@ -510,4 +458,4 @@ def initialise_checkpoint(teacher_dir, student_dir, text: str, *, tokens: int = 
     teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).eval()
     student = load_student(str(student_dir), "cpu")
     windows = windows_of(tokenizer, text, seq_len, tokens // seq_len)
-    return student, initialise(teacher, student, windows, ridge=ridge, steps=steps)
+    return student, initialise(teacher, student, windows, ridge=ridge, steps=steps)[0]

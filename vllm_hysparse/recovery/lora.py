@@ -10,6 +10,9 @@ norms elsewhere and embeddings stay frozen, so the trained state is small
 (a few MB in bf16 for SmolLM2) and is stored as a delta against the converted
 checkpoint: `apply_delta` rebuilds the recovered model from it. With `full_rank` the
 projections conversion had to guess (`FULL_RANK_LINEARS`) are trained and stored whole.
+When training started from a stage-0 initialisation (`recovery.init`), the
+delta carries its record too, so that it still applies to the converted
+checkpoint: the initialisation is redone from the record, not refitted.
 """
 
 import hashlib
@@ -18,6 +21,7 @@ import math
 import torch
 from torch import nn
 
+from vllm_hysparse.recovery.folds import INIT_PREFIX, Record, apply_init
 from vllm_hysparse.reference.modeling_hysparse import HySparseSparseAttention
 from vllm_hysparse.reference.modeling_hysparse2 import CrossFullAttention, CrossSparseAttention, SlidingAttention
 
@@ -27,15 +31,18 @@ CONVERTED_ATTENTION = (HySparseSparseAttention, SlidingAttention, CrossFullAtten
 FULL_PARAMS = ("sinks", "bridge_norm.weight")
 # Projections that `attach_lora(full_rank=True)` trains in full instead of through LoRA: the ones conversion
 # had to guess (HySparse's SWA-branch K/V and gates; HySparse2's bridged K/V and gates), as SwiftKV trains its
-# bridged K/V. SmolLM2-135M: about 0.2M parameters per HySparse sparse layer with headwise gates, 0.9M with
-# elementwise ones.
+# bridged K/V. SmolLM2-135M: about 0.2M parameters per HySparse sparse layer. A gate is trained whole only
+# when it is headwise (H rows): an elementwise gate is as large as q_proj, and gets LoRA like it.
 FULL_RANK_LINEARS = {
     HySparseSparseAttention: ("swa_k_proj", "swa_v_proj", "sparse_gate_proj", "swa_gate_proj"),
     SlidingAttention: ("gate_proj",),
     CrossFullAttention: ("k_proj", "v_proj"),
     CrossSparseAttention: ("gate_proj",),
 }
-DELTA_FORMAT = "hysparse-recovery-delta/1"
+GATES = ("sparse_gate_proj", "swa_gate_proj", "gate_proj")
+# /2: the digest covers every linear of the converted layers, taken before the optional stage-0 record is
+# applied. /1 (digest over the LoRA-wrapped linears, no record) is still read.
+DELTA_FORMAT, DELTA_FORMAT_V1 = "hysparse-recovery-delta/2", "hysparse-recovery-delta/1"
 
 
 class LoRALinear(nn.Module):
@@ -84,7 +91,9 @@ def attach_lora(model, rank: int, alpha: float, full_rank: bool = False) -> list
     for attn in converted_attention(model).values():
         full = FULL_RANK_LINEARS.get(type(attn), ()) if full_rank else ()
         for name, child in list(attn.named_children()):
-            if isinstance(child, nn.Linear) and name in full:
+            whole = isinstance(child, nn.Linear) and name in full and (
+                name not in GATES or child.out_features == attn.config.num_attention_heads)
+            if whole:
                 child.requires_grad_(True)
                 trainable += list(child.parameters())
             elif isinstance(child, nn.Linear):
@@ -111,6 +120,12 @@ def _lora_modules(model) -> dict[str, LoRALinear]:
             for name, child in attn.named_children() if isinstance(child, LoRALinear)}
 
 
+def converted_linears(model) -> list[str]:
+    """Module paths of every linear projection of the converted attention layers (wrapped or not)."""
+    return [f"{path}.{name}" for path, attn in converted_attention(model).items()
+            for name, child in attn.named_children() if isinstance(child, (nn.Linear, LoRALinear))]
+
+
 def base_digest(model, names: list[str]) -> str:
     """sha256 of the base weights a delta's LoRA factors apply to (so a delta refuses a different base)."""
     sd, h = model.state_dict(), hashlib.sha256()
@@ -121,8 +136,9 @@ def base_digest(model, names: list[str]) -> str:
     return h.hexdigest()
 
 
-def delta_state(model) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """(tensors, metadata) of a model with LoRA attached: factors, full parameters, rank and base digest."""
+def delta_state(model, digest: str, init_record: Record | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(tensors, metadata) of a model with LoRA attached: factors, full parameters, the stage-0 record it
+    started from, rank, and `digest`: `base_digest(converted, converted_linears(converted))` of the base."""
     loras = _lora_modules(model)
     if not loras:
         raise ValueError("the model has no LoRA attached")
@@ -134,32 +150,44 @@ def delta_state(model) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
             # sinks and bridge norms, and the projections trained at full rank (stored whole, not as a change)
             if name.endswith(FULL_PARAMS) or (param.requires_grad and not name.endswith((".lora_A", ".lora_B"))):
                 tensors[f"{path}.{name}"] = param.detach()
+    tensors.update(init_record or {})
     first = next(iter(loras.values()))
     meta = {"format": DELTA_FORMAT, "rank": str(first.lora_A.shape[0]),
-            "alpha": str(first.scaling * first.lora_A.shape[0]), "base_digest": base_digest(model, list(loras)),
+            "alpha": str(first.scaling * first.lora_A.shape[0]), "base_digest": digest,
             "model_type": model.config.model_type}
     return tensors, meta
 
 
 def apply_delta(model, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
-    """Add a delta's LoRA updates to `model`'s weights and set its full parameters (in place).
+    """Apply a delta to the converted `model` (in place): its stage-0 record, then the LoRA updates, then
+    its full parameters.
 
     Every tensor must name a converted layer of this model with the right
     shape, and the base weights must be the ones the delta was trained on.
     """
-    if meta.get("format") != DELTA_FORMAT:
-        raise ValueError(f"not a recovery delta (format {meta.get('format')!r}, expected {DELTA_FORMAT!r})")
+    fmt = meta.get("format")
+    if fmt not in (DELTA_FORMAT, DELTA_FORMAT_V1):
+        raise ValueError(f"not a recovery delta (format {fmt!r}, expected {DELTA_FORMAT!r})")
     if meta.get("model_type") != model.config.model_type:
         raise ValueError(f"the delta is for a {meta.get('model_type')} model, the base is {model.config.model_type}")
     rank, alpha = int(meta["rank"]), float(meta["alpha"])
     params = dict(model.named_parameters())
+    record = {k: v for k, v in tensors.items() if k.startswith(INIT_PREFIX)}
     paths = sorted({k.rsplit(".", 1)[0] for k in tensors if k.endswith((".lora_A", ".lora_B"))})
-    full = {k: v for k, v in tensors.items() if not k.endswith((".lora_A", ".lora_B"))}
+    full = {k: v for k, v in tensors.items() if not k.endswith((".lora_A", ".lora_B")) and k not in record}
     missing = [k for k in [f"{p}.weight" for p in paths] + list(full) if k not in params]
     if missing:
         raise ValueError(f"the delta names {missing[0]}, which the base model does not have")
-    if base_digest(model, paths) != meta.get("base_digest"):
+    linears, layers = set(converted_linears(model)), tuple(f"{p}." for p in converted_attention(model))
+    foreign = [p for p in paths if p not in linears] + [k for k in full if not k.startswith(layers)]
+    if foreign:
+        raise ValueError(f"the delta names {foreign[0]}, which is not in a converted layer of the base model")
+    if base_digest(model, paths if fmt == DELTA_FORMAT_V1 else converted_linears(model)) != meta.get("base_digest"):
         raise ValueError("the delta was trained on a different base checkpoint (base weights digest differs)")
+    for name, value in full.items():
+        if value.shape != params[name].shape:
+            raise ValueError(f"{name}: delta shape {tuple(value.shape)} != base {tuple(params[name].shape)}")
+    apply_init(model, record)
     with torch.no_grad():
         for p in paths:
             a, b, w = tensors[f"{p}.lora_A"].float(), tensors[f"{p}.lora_B"].float(), params[f"{p}.weight"]
@@ -167,6 +195,4 @@ def apply_delta(model, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -
                 raise ValueError(f"{p}: LoRA factors {tuple(b.shape)} @ {tuple(a.shape)} do not fit {tuple(w.shape)}")
             w += (alpha / rank * (b @ a)).to(w.dtype)
         for name, value in full.items():
-            if value.shape != params[name].shape:
-                raise ValueError(f"{name}: delta shape {tuple(value.shape)} != base {tuple(params[name].shape)}")
             params[name].copy_(value.to(params[name].dtype))

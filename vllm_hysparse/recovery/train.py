@@ -68,12 +68,15 @@ def run_stage(name: str, loss_fn, windows: list, params: list, *, minutes: float
               max_steps: int | None = None) -> dict:
     """Minimise `loss_fn(window)` over random `windows` for `minutes` of wall time (or `max_steps` steps).
 
+    `params`: parameters, or param groups whose `lr_scale` multiplies `lr`.
     The learning rate follows a cosine over the budget (by elapsed time, since
     the number of steps is not known in advance). The held-out KL is measured
     `evals` times, evenly over the budget, into `curve` (outside the budget).
     """
     gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    groups = [g for g in params if g["params"]] if params and isinstance(params[0], dict) else [{"params": params}]
+    flat = [p for g in groups for p in g["params"]]
+    opt = torch.optim.AdamW(groups, lr=lr, weight_decay=0.0)
     budget_s, spent, step, losses = minutes * 60, 0.0, 0, []
     next_eval = budget_s / evals
     bar = tqdm(desc=name, unit="step")
@@ -88,9 +91,9 @@ def run_stage(name: str, loss_fn, windows: list, params: list, *, minutes: float
             loss = loss_fn(windows[int(torch.randint(len(windows), (1,), generator=gen))])
             opt.zero_grad()
             loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        torch.nn.utils.clip_grad_norm_(flat, 1.0)
         for group in opt.param_groups:
-            group["lr"] = cosine_lr(progress(), lr)
+            group["lr"] = cosine_lr(progress(), lr) * group.get("lr_scale", 1.0)
         opt.step()
         step, spent = step + 1, spent + time.perf_counter() - t0
         losses.append(float(loss.detach()))
