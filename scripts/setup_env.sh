@@ -53,7 +53,18 @@ fi
 # brings them back.
 "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 # Build the C++ CPU kernels now (cached per machine) rather than in the first engine start.
-"$VENV/bin/python" -c "from csrc_triton import cpu_ext; ok = all(cpu_ext.load(n) for n in cpu_ext.NAMES); print('[setup] C++ CPU kernels:', 'built' if ok else 'unavailable, PyTorch path')"
+# One compiler per kernel, side by side: each is about a minute of one core.
+"$VENV/bin/python" - <<'PY'
+import subprocess
+import sys
+
+from csrc_triton import cpu_ext
+
+build = "import sys; from csrc_triton import cpu_ext; sys.exit(cpu_ext.load(sys.argv[1]) is None)"
+procs = [subprocess.Popen([sys.executable, "-c", build, name]) for name in cpu_ext.NAMES]
+ok = all(p.wait() == 0 for p in procs)
+print("[setup] C++ CPU kernels:", "built" if ok else "unavailable, PyTorch path")
+PY
 "$VENV/bin/python" - <<'PY'
 import importlib
 for name in ("torch", "transformers", "vllm", "vllm_hysparse"):
