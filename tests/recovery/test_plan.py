@@ -81,6 +81,29 @@ def test_coverage_and_recall_match_a_direct_computation():
     assert got_rec / groups < 1  # the two selections differ: the check can fail
 
 
+def test_window_is_the_smallest_reaching_the_median_mass():
+    """Hand-made masses: alone, the median reaches 0.9 at 512; with the first token counted, at 128; never below
+    --min-window, which is also the choice when nothing reaches."""
+    print(f"seed {SEED}")
+    stats = plan.AttentionStats()
+    masses = {1: (0.5, 0.80, 0.86, 0.95), 2: (0.4, 0.82, 0.88, 0.91), 3: (0.1, 0.2, 0.3, 0.4), 4: (0.99,) * 4}
+    stats.window_mass = {layer: dict(zip(plan.WINDOWS, m)) for layer, m in masses.items()}
+    stats.first_mass = {1: 0.1, 2: 0.09, 3: 0.0, 4: 0.0}
+    layers = [1, 2, 3]
+    for count_first, want in ((False, 512), (True, 128)):
+        summary = plan.window_summary(stats, layers, plan.Settings(count_first_token=count_first), "test")
+        assert summary["chosen"] == want and summary["threshold_reached"], summary
+        assert (summary["chosen_counting_window_alone"], summary["chosen_counting_first_token"]) == (512, 128)
+    low = plan.Settings(count_first_token=True, min_window=64)
+    assert plan.window_summary(stats, layers, low, "t")["chosen"] == 128
+    assert plan.window_summary(stats, [4], low, "t")["chosen"] == 64
+    assert plan.window_summary(stats, [4], plan.Settings(), "t")["chosen"] == 128  # never below the default
+    summary = plan.window_summary(stats, [3], plan.Settings(), "t")
+    assert (summary["chosen"], summary["threshold_reached"]) == (128, False)
+    with pytest.raises(ValueError, match="--min-window 1024"):
+        plan.window_summary(stats, layers, plan.Settings(min_window=1024), "t")
+
+
 def test_teacher_statistics_match_the_teachers_own_attention(checkpoints):
     """Coverage, recall and window mass from the plan's q/k path equal those from the teacher's eager attention
     probabilities (independent of our RoPE and projections); the oracle there is Eq. 3 on probabilities:
@@ -113,10 +136,12 @@ def test_teacher_statistics_match_the_teachers_own_attention(checkpoints):
             assert float(cov[f, l]) == pytest.approx(float((probs[l] * on).sum()) / (h * t), abs=2e-5), (f, l)
             want = ((sel[f] & sel[l]).sum(-1) / sel[l].sum(-1)).mean()
             assert float(rec[f, l]) == pytest.approx(float(want), abs=1e-6), (f, l)
+        rows = probs[l][:, max(wins):]  # every window full and without the first token
         for w in wins:
-            inside = ops.window_mask(t, t, w)[max(wins) - 1:]
-            want = float((probs[l][:, max(wins) - 1:] * inside).sum()) / (h * (t - max(wins) + 1))
-            assert stats.window_mass[l][w] == pytest.approx(want, abs=2e-5)
+            inside = ops.window_mask(t, t, w)[max(wins):]
+            assert stats.window_mass[l][w] == pytest.approx(float((rows * inside).sum()) / rows[..., 0].numel(),
+                                                            abs=2e-5)
+        assert stats.first_mass[l] == pytest.approx(float(rows[..., 0].mean()), abs=2e-6)
     assert float(rec[0, n - 1]) < 1
 
 
@@ -181,11 +206,16 @@ def test_hysparse_plan_picks_the_layer_that_predicts_its_followers(planned):
     assert obj["chosen"] == pytest.approx(sum(r["chosen"]["cost"] for r in report["layers"]
                                               if r["chosen"]["kind"] == "sparse"), abs=1e-4)
     assert opts["block_size"] == 8 and opts["topk_blocks"] == 3
+    assert report["command"].startswith("python -m vllm_hysparse.recovery.plan --teacher ")
     # The window: the smallest candidate whose median mass reaches the threshold (or the largest).
     win = report["window"]
     reached = [int(w) for w, m in win["median_mass"].items() if m >= win["threshold"]]
-    assert opts["swa_window"] == (min(reached) if reached else 32)
-    trade = {(r["window"], r["context"]): r["ratio_to_dense"] for r in win["kv_bytes"]["chosen"]}
+    assert opts["swa_window"] == win["chosen"] == (min(reached) if reached else 8)
+    reached = [int(w) for w, m in win["median_mass_with_first_token"].items() if m >= win["threshold"]]
+    assert win["chosen_counting_first_token"] == (min(reached) if reached else 8)
+    for w, m in win["median_mass"].items():
+        assert m < win["median_mass_with_first_token"][w]
+    trade = {(r["window"], r["context"]): r["ratio_to_dense"] for r in win["kv_bytes"]}
     assert trade[8, 2048] < trade[32, 2048] < 1  # a wider window costs KV memory
 
 

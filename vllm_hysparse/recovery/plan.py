@@ -29,13 +29,17 @@ on calibration windows and every choice is scored on its activations:
   layer (the config requires a bridge source to be a self full layer; one, as
   in the papers).
 - **Windows.** Per layer and candidate window, the mass of the layer's own
-  dense attention inside the window (rows whose every candidate window is
-  full, i.e. what a long context sees), against the KV bytes per token the
-  window caches add at a few context lengths. The chosen window is the
-  smallest candidate, not below `--min-window` (default: the converter's
+  dense attention inside the window (rows past the largest candidate, where
+  every window is full: what a long context sees), against the KV bytes per
+  token the window caches add at a few context lengths. The chosen window is
+  the smallest candidate, not below `--min-window` (default: the converter's
   128), whose median mass over the plan's windowed layers (HySparse sparse,
-  HySparse2 sliding) reaches `--mass-threshold`; the largest candidate when
-  none does.
+  HySparse2 sliding) reaches `--mass-threshold`; when none does, the
+  smallest allowed one (a window is widened only for the exactness asked
+  for). The first token's mass (an attention sink in most pretrained
+  models, outside every window on those rows) is reported apart;
+  `--count-first-token` counts it as inside, since the window branch has a
+  learned sink logit that may take its place.
 
 Coverage and recall average every row of every window (as the validator's
 `M_l` does); rows shorter than `block_size * topk_blocks` select every block
@@ -179,6 +183,7 @@ class AttentionStats:
     mass: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # [H, T, NB] mass per key block
     blocks: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # [T, G, NB] bool: own oracle top-k
     window_mass: dict[int, dict[int, float]] = field(default_factory=dict)  # window -> mean mass inside
+    first_mass: dict[int, float] = field(default_factory=dict)  # mean mass on the first token (outside every window)
 
 
 @torch.no_grad()
@@ -186,16 +191,19 @@ def attention_statistics(teacher, calib: Calibration, rope, layers: list[int], *
                          block_size: int | None = None, topk_blocks: int | None = None) -> AttentionStats:
     """Block masses and own oracle blocks (when `block_size` is given) and window masses of `layers`.
 
-    Window masses are over rows `t >= max(windows) - 1`, where every
-    candidate window is full: the share a long context sees.
+    Window masses are over rows `t >= max(windows)`, where every candidate
+    window is full and leaves out the first token: the share a long context
+    sees. The first token's own mass is kept apart (an attention sink the
+    window branch's learned sink may stand in for).
     """
     stats = AttentionStats()
-    first_row = max(windows) - 1
+    first_row = max(windows)
     sums = {layer: dict.fromkeys(windows, 0.0) for layer in layers}
+    first = dict.fromkeys(layers, 0.0)
     rows = 0
     for hidden, t in zip(calib.hidden, calib.seq_lens):
         if t <= first_row:
-            raise ValueError(f"calibration windows of {t} tokens are not longer than the largest window {max(windows)}")
+            raise ValueError(f"calibration windows of {t} tokens are not longer than the largest window {first_row}")
         positions = torch.arange(t)
         for layer in layers:
             scale = teacher.model.layers[layer].self_attn.scaling
@@ -204,6 +212,7 @@ def attention_statistics(teacher, calib: Calibration, rope, layers: list[int], *
             for w in windows:
                 inside = ops.window_mask(t, t, w)[first_row:]
                 sums[layer][w] += float((p[0, :, first_row:] * inside).sum())
+            first[layer] += float(p[0, :, first_row:, 0].sum())
             if block_size is not None:
                 stats.mass.setdefault(layer, []).append(block_mass(p, block_size)[0])
                 ids = ops.oracle_block_topk(q, k, scale, block_size, topk_blocks)
@@ -211,6 +220,7 @@ def attention_statistics(teacher, calib: Calibration, rope, layers: list[int], *
             del p
         rows += (t - first_row) * teacher.config.num_attention_heads
     stats.window_mass = {layer: {w: s / rows for w, s in per.items()} for layer, per in sums.items()}
+    stats.first_mass = {layer: s / rows for layer, s in first.items()}
     return stats
 
 
@@ -310,13 +320,30 @@ def bridge_errors(teacher, calib: Calibration, sources: list[int], cross_full: l
 def choose_window(window_mass: dict[int, dict[int, float]], layers: list[int], windows: tuple[int, ...],
                   threshold: float, min_window: int) -> tuple[int, dict[int, float], bool]:
     """(window, median mass per window over `layers`, threshold reached): the smallest window >= `min_window`
-    whose median mass reaches `threshold`, else the largest candidate."""
+    whose median mass reaches `threshold`, else the smallest window >= `min_window` (no wider window is paid for
+    when none buys the exactness asked for)."""
     medians = {w: statistics.median(window_mass[l][w] for l in layers) for w in windows}
     allowed = [w for w in sorted(windows) if w >= min_window]
     if not allowed:
         raise ValueError(f"no candidate window in {sorted(windows)} is at least --min-window {min_window}")
     reached = [w for w in allowed if medians[w] >= threshold]
-    return (reached[0] if reached else allowed[-1]), medians, bool(reached)
+    return (reached[0] if reached else allowed[0]), medians, bool(reached)
+
+
+def window_summary(stats: AttentionStats, layers: list[int], s: "Settings", which: str) -> dict:
+    """The window choice over `layers` (which: their description) and the medians behind it, counting the
+    window alone or, with `s.count_first_token`, the window and the first token."""
+    with_first = {l: {w: m + stats.first_mass[l] for w, m in stats.window_mass[l].items()} for l in layers}
+    args = (layers, s.windows, s.mass_threshold, s.min_window)
+    alone, counted = choose_window(stats.window_mass, *args), choose_window(with_first, *args)
+    window, _, reached = counted if s.count_first_token else alone
+    return {"layers": which, "counts": "window and first token" if s.count_first_token else "window alone",
+            "median_mass": {w: _r(m) for w, m in alone[1].items()},
+            "median_mass_with_first_token": {w: _r(m) for w, m in counted[1].items()},
+            "median_first_token_mass": _r(statistics.median(stats.first_mass[l] for l in layers)),
+            "threshold": s.mass_threshold, "min_window": s.min_window, "threshold_reached": reached,
+            "chosen": window, "chosen_counting_window_alone": alone[0],
+            "chosen_counting_first_token": counted[0]}
 
 
 def window_trade(arch: str, fields: dict, options: dict, windows: tuple[int, ...], contexts: tuple[int, ...],
@@ -345,6 +372,7 @@ class Settings:
     windows: tuple[int, ...] = WINDOWS
     mass_threshold: float = 0.9
     min_window: int = 128
+    count_first_token: bool = False
     contexts: tuple[int, ...] = CONTEXTS
     ridge: float = 1e-4
 
@@ -379,12 +407,12 @@ def plan_hysparse(teacher, calib: Calibration, config, rope, s: Settings) -> dic
     required = [0, n - 1] if n - 1 in default else [0]
     chosen, objective = best_full_layers(cost, len(default), required)
     coverage_only = best_full_layers(1 - cov, len(default), required)[0]
-    window, medians, reached = choose_window(stats.window_mass, [i for i in range(n) if i not in chosen], s.windows,
-                                             s.mass_threshold, s.min_window)
+    window = window_summary(stats, [i for i in range(n) if i not in chosen], s, "sparse layers of the chosen plan")
     layers = []
     for i in range(n):
         row = {"layer": i, "own_coverage": _r(cov[i, i]),
-               "window_mass": {w: _r(m) for w, m in stats.window_mass[i].items()}}
+               "window_mass": {w: _r(m) for w, m in stats.window_mass[i].items()},
+               "first_token_mass": _r(stats.first_mass[i])}
         for name, full in (("chosen", chosen), ("default", default)):
             f = readers(full, n).get(i)
             row[name] = ({"kind": "full"} if f is None else
@@ -392,7 +420,7 @@ def plan_hysparse(teacher, calib: Calibration, config, rope, s: Settings) -> dic
                           "k_error": _r(ek[f, i]), "v_error": _r(ev[f, i]), "cost": _r(cost[f, i])})
         layers.append(row)
     return {
-        "options": {"full_layers": chosen, "block_size": b, "topk_blocks": k, "swa_window": window},
+        "options": {"full_layers": chosen, "block_size": b, "topk_blocks": k, "swa_window": window["chosen"]},
         "default_options": {"full_layers": default, "block_size": b, "topk_blocks": k,
                             "swa_window": convert.PlanOptions().swa_window},
         "objective": {
@@ -405,9 +433,7 @@ def plan_hysparse(teacher, calib: Calibration, config, rope, s: Settings) -> dic
             "coverage_only_plan": {"full_layers": coverage_only,
                                    "terms": _hysparse_terms(coverage_only, cov, rec, ek, ev, n)},
         },
-        "window": {"layers": "sparse layers of the chosen plan", "median_mass": {w: _r(m) for w, m in medians.items()},
-                   "threshold": s.mass_threshold, "min_window": s.min_window, "threshold_reached": reached,
-                   "chosen": window},
+        "window": window,
         "layers": layers,
         "pairs": {"coverage": _matrix(cov), "recall": _matrix(rec), "k_error": _matrix(ek), "v_error": _matrix(ev)},
     }
@@ -424,12 +450,11 @@ def plan_hysparse2(teacher, calib: Calibration, config, rope, s: Settings) -> di
     # Ties go to the source nearest the default (the self-decoder's middle).
     chosen = min(sources, key=lambda i: (float(per_source[i]), abs(i - default)))
     stats = attention_statistics(teacher, calib, rope, sources, windows=s.windows)
-    window, medians, reached = choose_window(stats.window_mass, [i for i in sources if i != chosen], s.windows,
-                                             s.mass_threshold, s.min_window)
+    window = window_summary(stats, [i for i in sources if i != chosen], s, "sliding layers of the chosen plan")
     base = {"num_self_layers": n_self, "cross_full_layers": cross_full}
     return {
         "options": {**base, "self_full_layers": [chosen], "bridge_sources": [chosen] * len(cross_full),
-                    "swa_window": window},
+                    "swa_window": window["chosen"]},
         "default_options": {**base, "self_full_layers": [i for i in config.layers_of_type(convert.F) if i < n_self],
                             "bridge_sources": list(config.bridge_sources),
                             "swa_window": convert.PlanOptions().swa_window},
@@ -441,11 +466,10 @@ def plan_hysparse2(teacher, calib: Calibration, config, rope, s: Settings) -> di
         "bridges": [{"source": src, "cost": _r(per_source[i]),
                      "k_error": {c: _r(ek[i, j]) for j, c in enumerate(cross_full)},
                      "v_error": {c: _r(ev[i, j]) for j, c in enumerate(cross_full)},
-                     "window_mass": {w: _r(m) for w, m in stats.window_mass[src].items()}}
+                     "window_mass": {w: _r(m) for w, m in stats.window_mass[src].items()},
+                     "first_token_mass": _r(stats.first_mass[src])}
                     for i, src in enumerate(sources)],
-        "window": {"layers": "sliding layers of the chosen plan", "median_mass": {w: _r(m) for w, m in medians.items()},
-                   "threshold": s.mass_threshold, "min_window": s.min_window, "threshold_reached": reached,
-                   "chosen": window},
+        "window": window,
     }
 
 
@@ -478,9 +502,8 @@ def measure(teacher_dir: str | Path, arch: str, windows: list[torch.Tensor], s: 
     calib = Calibration.collect(teacher, windows)
     _progress(f"{len(windows)} calibration windows, {sum(calib.seq_lens)} tokens")
     report = PLANNERS[arch](teacher, calib, config, rope, s)
-    trade = {name: window_trade(arch, fields, report[key], s.windows, s.contexts, dtype_bytes)
-             for name, key in (("chosen", "options"), ("default", "default_options"))}
-    report["window"]["kv_bytes"] = trade
+    # The default plan has as many full-length and window caches as the chosen one: the same bytes.
+    report["window"]["kv_bytes"] = window_trade(arch, fields, report["options"], s.windows, s.contexts, dtype_bytes)
     return {
         "arch": arch, "teacher": str(teacher_dir), "num_hidden_layers": config.num_hidden_layers,
         "calibration": {"windows": len(windows), "seq_len": calib.seq_lens[0], "tokens": sum(calib.seq_lens),
@@ -521,6 +544,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mass-threshold", type=float, default=0.9, help="median attention mass the window must hold")
     p.add_argument("--min-window", type=int, default=128, help="never choose a window below this (default 128, "
                    "the converter's default)")
+    p.add_argument("--count-first-token", action="store_true", help="count the first token's mass as inside "
+                   "every window (the window branch's learned sink may stand in for an attention sink)")
     p.add_argument("--contexts", type=_ints, default=CONTEXTS, help="context lengths of the KV-bytes trade")
     p.add_argument("--ridge", type=float, default=1e-4, help="ridge strength of the fits, relative to the "
                    "input's power")
@@ -538,7 +563,8 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()
     settings = Settings(block_size=args.block_size, topk_blocks=args.topk_blocks, full_period=args.full_period,
                         kv_weight=args.kv_weight, windows=args.windows, mass_threshold=args.mass_threshold,
-                        min_window=args.min_window, contexts=args.contexts, ridge=args.ridge)
+                        min_window=args.min_window, count_first_token=args.count_first_token,
+                        contexts=args.contexts, ridge=args.ridge)
     try:
         if args.tokens < args.seq_len:
             raise ValueError(f"--tokens {args.tokens} is less than one window of --seq-len {args.seq_len}")
@@ -553,6 +579,7 @@ def main(argv: list[str] | None = None) -> int:
         report = measure(args.teacher, args.arch, windows, settings)
         default_text = f"recovery.corpus.training_text({args.train_chars}, {args.seed})"
         report["calibration"]["text"] = args.calibrate or default_text
+        report["command"] = " ".join(["python -m vllm_hysparse.recovery.plan", *(argv or sys.argv[1:])])
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=1))
