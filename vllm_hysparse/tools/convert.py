@@ -3,6 +3,8 @@
 
     python scripts/convert_checkpoint.py --src Qwen3-8B --dst qwen3-8b-hysparse --arch hysparse --dry-run
     python scripts/convert_checkpoint.py --src model.gguf --dst student --arch hysparse   # GGUF: imported first
+    python scripts/convert_checkpoint.py --src Qwen3-8B --dst student --arch hysparse --plan plan.json
+        # the layer plan measured on the teacher by `python -m vllm_hysparse.recovery.plan`
 
 Dense layer `i` becomes layer `i` of the target. Full layers keep their
 weights; sparse and sliding layers reuse the dense q/k/v/o, with new gates at
@@ -141,6 +143,14 @@ class PlanOptions:
 
 
 HYSPARSE_ONLY = ("full_period", "full_layers", "block_size", "topk_blocks")
+# An option given on the command line drops the `--plan` options chosen under it: a plan's bridge sources
+# are self full layers of its own split, its full layers follow its own count.
+PLAN_DEPENDENTS = {
+    "full_period": ("full_layers",),
+    "num_self_layers": ("self_full_layers", "cross_full_layers", "bridge_sources"),
+    "self_full_layers": ("bridge_sources",),
+    "cross_full_layers": ("bridge_sources",),
+}
 HYSPARSE2_ONLY = ("num_self_layers", "self_full_layers", "cross_full_layers", "bridge_sources",
                   "topk_tokens", "recent_window")
 
@@ -706,6 +716,52 @@ def check_written(config: HySparseBaseConfig, out: Path) -> None:
     check_complete(expected, seen)
 
 
+def read_plan(path: str, arch: str) -> dict:
+    """A `vllm_hysparse.recovery.plan` report, checked to be one for `arch` whose options are PlanOptions fields."""
+    try:
+        report = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"--plan {path}: no such file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"--plan {path}: unreadable ({e})") from None
+    if not isinstance(report, dict) or not isinstance(report.get("options"), dict):
+        raise ValueError(f"--plan {path}: no \"options\" (is it a report of python -m vllm_hysparse.recovery.plan?)")
+    if report.get("arch") != arch:
+        raise ValueError(f"--plan {path} is a plan for --arch {report.get('arch')}, not {arch}")
+    unknown = sorted(set(report["options"]) - set(PlanOptions.__dataclass_fields__))
+    if unknown:
+        raise ValueError(f"--plan {path}: unknown option(s) {unknown}")
+    return report
+
+
+def plan_file_options(report: dict, path: str, num_layers: int) -> dict:
+    """The plan's chosen options, once it is known to fit a model of `num_layers` layers."""
+    if report.get("num_hidden_layers") != num_layers:
+        raise ValueError(f"--plan {path} was measured on a model of {report.get('num_hidden_layers')} layers; "
+                         f"--src has {num_layers}")
+    options = report["options"]
+    for name, value in options.items():
+        if isinstance(value, list):
+            bad = [i for i in value if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers]
+            if bad:
+                raise ValueError(f"--plan {path}: {name} has layer(s) {bad} outside the model's layers "
+                                 f"[0, {num_layers})")
+    return options
+
+
+def plan_options(args, src: str, plan: dict | None) -> PlanOptions:
+    """Options given on the command line, over the `--plan` report's chosen options (see PLAN_DEPENDENTS)."""
+    given = {name: getattr(args, name) for name in PlanOptions.__dataclass_fields__ if getattr(args, name) is not None}
+    chosen = {}
+    if plan is not None:
+        chosen = dict(plan_file_options(plan, args.plan, load_source_config(Path(src))[1].num_hidden_layers))
+        for name in given:
+            for dependent in PLAN_DEPENDENTS.get(name, ()):
+                chosen.pop(dependent, None)
+        print(f"plan: {args.plan} chose {chosen}" + (f"; from the command line: {given}" if given else ""))
+    return PlanOptions(**{**chosen, **given})
+
+
 def _layer_list(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
@@ -725,8 +781,8 @@ def build_parser() -> argparse.ArgumentParser:
     full.add_argument("--full-layers", type=_layer_list, help="hysparse: explicit full layers, e.g. 0,4,8")
     p.add_argument("--block-size", type=int, help="hysparse: sparse_block_size (default 64)")
     p.add_argument("--topk-blocks", type=int, help="hysparse: sparse_topk_blocks (default 16)")
-    p.add_argument("--swa-window", type=int, default=128, help="SWA branch / sliding layer window")
-    p.add_argument("--gate-type", choices=["elementwise", "headwise"], default="elementwise")
+    p.add_argument("--swa-window", type=int, help="SWA branch / sliding layer window (default 128)")
+    p.add_argument("--gate-type", choices=["elementwise", "headwise"], help="default elementwise")
     p.add_argument("--num-self-layers", type=int, help="hysparse2: self-decoder depth (default: half, rounded up)")
     p.add_argument("--self-full-layers", type=_layer_list, help="hysparse2: full self-decoder layers "
                    "(default: the middle one); the others are sliding")
@@ -736,6 +792,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: all the self full layer nearest the self-decoder's middle)")
     p.add_argument("--topk-tokens", type=int, help="hysparse2: sparse_topk_tokens (default 1024)")
     p.add_argument("--recent-window", type=int, help="hysparse2: recent_window (default 128)")
+    p.add_argument("--plan", metavar="PLAN_JSON", help="take the layer plan from a report of python -m "
+                   "vllm_hysparse.recovery.plan (measured on the teacher); options given here win over it")
     p.add_argument("--dry-run", action="store_true", help="print the plan, parameters and KV bytes; write nothing")
     p.add_argument("--verify", action="store_true", help="compare logits with the teacher before publishing "
                    "(loads both models in float32)")
@@ -761,10 +819,11 @@ def _dense_source(src: str, dst: Path):
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    opts = PlanOptions(**{name: getattr(args, name) for name in PlanOptions.__dataclass_fields__})
     try:
+        # The plan file is checked before a GGUF source is imported; its layers once the source is known.
+        plan = read_plan(args.plan, args.arch) if args.plan else None
         with _dense_source(args.src, Path(args.dst)) as src:
-            conv = plan_conversion(src, args.arch, opts)
+            conv = plan_conversion(src, args.arch, plan_options(args, src, plan))
             print(describe(conv))
             for warning in conv.warnings:
                 print(f"warning: {warning}", file=sys.stderr)
