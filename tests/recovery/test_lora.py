@@ -238,8 +238,19 @@ def test_a_stage0_record_that_does_not_fit_is_refused_with_one_line(checkpoints)
     with pytest.raises(ValueError, match=f"model.layers.{layer}.self_attn, which the model does not have"):
         init.apply_init(model, {init.init_key(layer, "q_maps"): torch.zeros(1, 2, 2)})
     sparse = next(iter(model.config.oracle_layer))
-    with pytest.raises(ValueError, match="does not fit this layer"):
-        init.apply_init(model, {init.init_key(sparse, "sparse_gate_proj.headwise"): torch.zeros(3, 5)})
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    h, hidden = model.config.num_attention_heads, model.config.hidden_size
+    good = {init.init_key(sparse, "sparse_gate_proj.headwise"): torch.ones(h, hidden)}
+    with pytest.raises(ValueError, match=r"swa_gate_proj.headwise is \(3, 5\), the layer needs"):
+        init.apply_init(model, {**good, init.init_key(sparse, "swa_gate_proj.headwise"): torch.zeros(3, 5)})
+    with pytest.raises(ValueError, match="head_order .* is not a permutation"):
+        init.apply_init(model, {init.init_key(sparse, "q_maps"): torch.zeros(h, *[model.config.head_dim] * 2),
+                                init.init_key(sparse, "o_maps"): torch.zeros(h, *[model.config.head_dim] * 2),
+                                init.init_key(sparse, "head_order"): torch.zeros(h, dtype=torch.long)})
+    with pytest.raises(ValueError, match=r"has \['q_maps'\] without \['head_order', 'o_maps'\]"):
+        init.apply_init(model, {init.init_key(sparse, "q_maps"): torch.zeros(h, *[model.config.head_dim] * 2)})
+    # the record is checked whole before anything moves: the fitting gate above was not applied
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     with pytest.raises(ValueError, match="not a stage-0 initialisation tensor"):
         init.apply_init(model, {init.init_key(sparse, "mlp.weight"): torch.zeros(1)})
 

@@ -27,6 +27,7 @@ cuda` when one is there.
 
 import argparse
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -44,7 +45,7 @@ from vllm_hysparse.recovery.lora import apply_delta, attach_lora, base_digest, c
 from vllm_hysparse.recovery.train import Clock, HeldOut, end_to_end, local_transfer
 from vllm_hysparse.tools.staging import staged_output
 
-DELTA_FILE, REPORT_FILE, INIT_REPORT = "delta.safetensors", "recovery.json", "init.json"
+DELTA_FILE, REPORT_FILE, INIT_REPORT, BASE_CONFIG = "delta.safetensors", "recovery.json", "init.json", "base_config.json"
 
 
 def windows_of(tokenizer, text: str, seq_len: int, count: int) -> list[torch.Tensor]:
@@ -153,6 +154,8 @@ def train(args) -> dict:
         save_file({k: (v if k.startswith(INIT_PREFIX) else v.to(torch.bfloat16)).contiguous().cpu()
                    for k, v in tensors.items()}, str(tmp / DELTA_FILE), metadata=meta)
         (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2))
+        # The base's layout, so the delta can be checked against it without the base's weights.
+        shutil.copyfile(Path(args.student) / "config.json", tmp / BASE_CONFIG)
         plot_curve(curve, tmp / "curve.png")
     if args.out:
         rebuild(args.student, Path(args.delta), Path(args.out), args.force)

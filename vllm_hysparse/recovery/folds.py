@@ -21,6 +21,10 @@ INIT_PARTS = ("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias", "q
               "swa_v_maps", "head_order", "kv_order", "sparse_gate_proj.headwise", "swa_gate_proj.headwise")
 
 
+# Parts that only make sense together: the head maps and their move; the SWA inverses and their group move.
+TOGETHER = ({"q_maps", "o_maps", "head_order"}, {"swa_k_maps", "swa_v_maps", "kv_order"})
+
+
 def init_key(layer: int, part: str) -> str:
     return f"{INIT_PREFIX}model.layers.{layer}.self_attn.{part}"
 
@@ -86,25 +90,60 @@ def permute_heads(attn, order: list[int], kv_order: list[int] | None = None) -> 
                 lin.bias.copy_(_heads(lin.bias, cfg.num_key_value_heads)[gi].reshape(lin.bias.shape))
 
 
-@torch.no_grad()
-def apply_init(model, record: Record) -> None:
-    """Apply a stage-0 record (`initialise`'s) to the converted `model`, in place: the same folds, in the same
-    order (replaced projections, per-head maps, head moves, gates), so the result is the initialised model."""
-    by_layer: dict[str, dict[str, torch.Tensor]] = {}
+def _by_layer(model, record: Record) -> dict[str, tuple[torch.nn.Module, dict[str, torch.Tensor]]]:
+    """`{attention path: (module, {part: tensor})}`; one-line ValueError for a key that is not a record's."""
+    out: dict[str, tuple[torch.nn.Module, dict[str, torch.Tensor]]] = {}
     for key, value in record.items():
         path, sep, part = key.removeprefix(INIT_PREFIX).partition(".self_attn.")
         if not key.startswith(INIT_PREFIX) or not sep or part not in INIT_PARTS:
             raise ValueError(f"{key}: not a stage-0 initialisation tensor")
-        by_layer.setdefault(f"{path}.self_attn", {})[part] = value
-    for path, parts in by_layer.items():
-        try:
-            attn = model.get_submodule(path)
-        except AttributeError:
-            raise ValueError(f"the initialisation names {path}, which the model does not have") from None
-        try:
-            _apply_layer(attn, parts)
-        except (AttributeError, KeyError, RuntimeError, IndexError) as e:
-            raise ValueError(f"{path}: the initialisation does not fit this layer ({e})") from None
+        path = f"{path}.self_attn"
+        if path not in out:
+            try:
+                out[path] = (model.get_submodule(path), {})
+            except AttributeError:
+                raise ValueError(f"the initialisation names {path}, which the model does not have") from None
+        out[path][1][part] = value
+    return out
+
+
+def _expected_shapes(attn, part: str) -> tuple[int, ...]:
+    """The shape a record's `part` must have to fit `attn`."""
+    h, g = attn.config.num_attention_heads, attn.config.num_key_value_heads
+    d, dv = attn.q_proj.out_features // h, attn.o_proj.in_features // h
+    if part.startswith(("k_proj.", "v_proj.")):
+        return tuple(attn.get_parameter(part).shape)
+    return {"q_maps": (h, d, d), "o_maps": (h, dv, dv), "swa_k_maps": (g, d, d), "swa_v_maps": (g, dv, dv),
+            "head_order": (h,), "kv_order": (g,), "sparse_gate_proj.headwise": (h, attn.q_proj.in_features),
+            "swa_gate_proj.headwise": (h, attn.q_proj.in_features)}[part]
+
+
+def check_init(model, record: Record) -> None:
+    """Raise a one-line ValueError unless `record` fits `model` (names, shapes, orders that are permutations)."""
+    for path, (attn, parts) in _by_layer(model, record).items():
+        for part, value in parts.items():
+            try:
+                want = _expected_shapes(attn, part)
+            except AttributeError:
+                raise ValueError(f"{path}: the initialisation's {part} has nothing to act on in this layer") from None
+            if tuple(value.shape) != want:
+                raise ValueError(f"{path}: the initialisation's {part} is {tuple(value.shape)}, the layer needs {want}")
+            if part.endswith("_order") and sorted(value.tolist()) != list(range(want[0])):
+                raise ValueError(f"{path}: the initialisation's {part} {value.tolist()} is not a permutation")
+        for together in TOGETHER:
+            if 0 < len(together & parts.keys()) < len(together):
+                raise ValueError(f"{path}: the initialisation has {sorted(together & parts.keys())} without "
+                                 f"{sorted(together - parts.keys())}")
+
+
+@torch.no_grad()
+def apply_init(model, record: Record) -> None:
+    """Apply a stage-0 record (`initialise`'s) to the converted `model`, in place: the same folds, in the same
+    order (replaced projections, per-head maps, head moves, gates), so the result is the initialised model.
+    The whole record is checked first (`check_init`), so a misfit changes nothing."""
+    check_init(model, record)
+    for attn, parts in _by_layer(model, record).values():
+        _apply_layer(attn, parts)
 
 
 def _apply_layer(attn, parts: dict[str, torch.Tensor]) -> None:
@@ -112,8 +151,6 @@ def _apply_layer(attn, parts: dict[str, torch.Tensor]) -> None:
     for part, value in parts.items():
         if part.startswith(("k_proj.", "v_proj.")):
             target = attn.get_parameter(part)
-            if target.shape != value.shape:
-                raise RuntimeError(f"{part} {tuple(value.shape)} != {tuple(target.shape)}")
             target.copy_(value.to(target.dtype))
     if "q_maps" in parts:
         for hd in range(cfg.num_attention_heads):

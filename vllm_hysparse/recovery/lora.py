@@ -21,7 +21,7 @@ import math
 import torch
 from torch import nn
 
-from vllm_hysparse.recovery.folds import INIT_PREFIX, Record, apply_init
+from vllm_hysparse.recovery.folds import INIT_PREFIX, Record, apply_init, check_init
 from vllm_hysparse.reference.modeling_hysparse import HySparseSparseAttention
 from vllm_hysparse.reference.modeling_hysparse2 import CrossFullAttention, CrossSparseAttention, SlidingAttention
 
@@ -158,19 +158,16 @@ def delta_state(model, digest: str, init_record: Record | None = None) -> tuple[
     return tensors, meta
 
 
-def apply_delta(model, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
-    """Apply a delta to the converted `model` (in place): its stage-0 record, then the LoRA updates, then
-    its full parameters.
-
-    Every tensor must name a converted layer of this model with the right
-    shape, and the base weights must be the ones the delta was trained on.
-    """
+def check_delta(model, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
+    """Raise a one-line ValueError unless the delta fits `model`'s layout: format, model type, every tensor
+    naming a converted layer's parameter of the right shape, LoRA factors that fit, a stage-0 record that fits.
+    The weights themselves are not compared (`apply_delta` checks the digest)."""
     fmt = meta.get("format")
     if fmt not in (DELTA_FORMAT, DELTA_FORMAT_V1):
         raise ValueError(f"not a recovery delta (format {fmt!r}, expected {DELTA_FORMAT!r})")
     if meta.get("model_type") != model.config.model_type:
         raise ValueError(f"the delta is for a {meta.get('model_type')} model, the base is {model.config.model_type}")
-    rank, alpha = int(meta["rank"]), float(meta["alpha"])
+    rank = int(meta["rank"])
     params = dict(model.named_parameters())
     record = {k: v for k, v in tensors.items() if k.startswith(INIT_PREFIX)}
     paths = sorted({k.rsplit(".", 1)[0] for k in tensors if k.endswith((".lora_A", ".lora_B"))})
@@ -182,17 +179,34 @@ def apply_delta(model, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -
     foreign = [p for p in paths if p not in linears] + [k for k in full if not k.startswith(layers)]
     if foreign:
         raise ValueError(f"the delta names {foreign[0]}, which is not in a converted layer of the base model")
-    if base_digest(model, paths if fmt == DELTA_FORMAT_V1 else converted_linears(model)) != meta.get("base_digest"):
-        raise ValueError("the delta was trained on a different base checkpoint (base weights digest differs)")
+    for p in paths:
+        a, b, w = tensors.get(f"{p}.lora_A"), tensors.get(f"{p}.lora_B"), params[f"{p}.weight"]
+        if a is None or b is None or a.shape != (rank, w.shape[1]) or b.shape != (w.shape[0], rank):
+            shapes = [tuple(t.shape) if t is not None else None for t in (b, a)]
+            raise ValueError(f"{p}: LoRA factors {shapes[0]} @ {shapes[1]} do not fit {tuple(w.shape)}")
     for name, value in full.items():
         if value.shape != params[name].shape:
             raise ValueError(f"{name}: delta shape {tuple(value.shape)} != base {tuple(params[name].shape)}")
+    check_init(model, record)
+
+
+def apply_delta(model, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
+    """Apply a delta to the converted `model` (in place): its stage-0 record, then the LoRA updates, then
+    its full parameters. The delta must fit (`check_delta`) and the base weights must be the ones it was
+    trained on; otherwise nothing changes."""
+    check_delta(model, tensors, meta)
+    rank, alpha = int(meta["rank"]), float(meta["alpha"])
+    params = dict(model.named_parameters())
+    record = {k: v for k, v in tensors.items() if k.startswith(INIT_PREFIX)}
+    paths = sorted({k.rsplit(".", 1)[0] for k in tensors if k.endswith((".lora_A", ".lora_B"))})
+    full = {k: v for k, v in tensors.items() if not k.endswith((".lora_A", ".lora_B")) and k not in record}
+    names = paths if meta["format"] == DELTA_FORMAT_V1 else converted_linears(model)
+    if base_digest(model, names) != meta.get("base_digest"):
+        raise ValueError("the delta was trained on a different base checkpoint (base weights digest differs)")
     apply_init(model, record)
     with torch.no_grad():
         for p in paths:
             a, b, w = tensors[f"{p}.lora_A"].float(), tensors[f"{p}.lora_B"].float(), params[f"{p}.weight"]
-            if a.shape != (rank, w.shape[1]) or b.shape != (w.shape[0], rank):
-                raise ValueError(f"{p}: LoRA factors {tuple(b.shape)} @ {tuple(a.shape)} do not fit {tuple(w.shape)}")
             w += (alpha / rank * (b @ a)).to(w.dtype)
         for name, value in full.items():
             params[name].copy_(value.to(params[name].dtype))
