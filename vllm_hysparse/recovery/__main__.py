@@ -139,7 +139,8 @@ def train(args) -> dict:
         stages.append(local_transfer(teacher, student, w1, params, minutes=args.stage1_minutes, lr=args.lr1,
                                      **common))
     if args.stage2_minutes > 0:
-        w2 = [w.to(device) for w in windows_of(tokenizer, text, args.stage2_seq_len, args.windows)]
+        w2 = [w.to(device) for w in windows_of(tokenizer, text, args.stage2_seq_len,
+                                               args.stage2_windows or args.windows)]
         stages.append(end_to_end(teacher, student, w2, params, coverage_weight=args.coverage_weight,
                                  temperature=args.temperature, hidden_weight=args.hidden_weight,
                                  minutes=args.stage2_minutes, lr=args.lr2, **common))
@@ -195,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--lr2", type=float, default=3e-4, help="stage 2 peak learning rate")
     t.add_argument("--seq-len", type=int, default=1024, help="stage 1 window length")
     t.add_argument("--stage2-seq-len", type=int, default=512)
-    t.add_argument("--windows", type=int, default=64, help="training windows per stage")
+    t.add_argument("--windows", type=int, default=64,
+                   help="training windows per stage (stage 1 caches the teacher's activations on each)")
+    t.add_argument("--stage2-windows", type=int, help="stage 2 windows (default: --windows); nothing is cached")
     t.add_argument("--train-chars", type=int, default=2_000_000)
     t.add_argument("--coverage-weight", type=float, default=0.0, help="stage 2: weight of the coverage term 1 - M")
     t.add_argument("--temperature", type=float, default=1.0, help="stage 2: KL temperature (SwiftKV: 2)")
