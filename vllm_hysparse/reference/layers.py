@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers import DynamicCache
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 
@@ -150,6 +151,47 @@ def sinks(config) -> nn.Parameter | None:
 def split_heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
     """`[B, T, n*D]` -> `[B, T, n, D]`."""
     return x.view(*x.shape[:2], -1, head_dim)
+
+
+# The largest finite e4m3 value: FP8 cache writes saturate there.
+FP8_MAX = 448.0
+
+
+def fp8_round(x: torch.Tensor, toward_zero: bool = False) -> torch.Tensor:
+    """`x` through e4m3 at scale 1.0 and back: what an FP8 KV cache (`kv_cache_dtype="fp8"`) stores of it.
+
+    Saturating at ±448, to nearest (our backend's writes, and vLLM's on GPU) or, with `toward_zero`, toward
+    zero: vLLM 0.32's CPU write (`cpu_attn_reshape_and_cache`) truncates the mantissa.
+    """
+    q = x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    if toward_zero:
+        # e4m3 codes grow with the magnitude on either sign, so one code down is one step toward zero.
+        over = q.to(x.dtype).abs() > x.abs()
+        q = torch.where(over, (q.view(torch.uint8) - 1).view(torch.float8_e4m3fn), q)
+    return q.to(x.dtype)
+
+
+class Fp8KVCache(DynamicCache):
+    """A reference KV cache that stores what an FP8 engine's caches store: every K/V row written is rounded to
+    e4m3 (scale 1.0, no checkpoint scales), and attention reads the rounded rows back, as the engine reads its
+    pages. `toward_zero`: the layers whose cache is written by vLLM's own CPU backend, which truncates.
+    K/V computed without a cache (a PIC segment's isolated prefill) stay unrounded, as the segment store keeps
+    them; they are rounded when spliced in, after their rotation, as the engine's cache write does."""
+
+    def __init__(self, toward_zero: set[int] = frozenset(), **kwargs):
+        super().__init__(**kwargs)
+        self.toward_zero = set(toward_zero)
+        # layer -> (K, V) `[B, G, T, D]` as written, before rounding: what PIC's segment store taps.
+        self.written: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def empty_like(self) -> "Fp8KVCache":
+        return Fp8KVCache(self.toward_zero)
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        k, v = self.written.get(layer_idx, (key_states[:, :, :0], value_states[:, :, :0]))
+        self.written[layer_idx] = (torch.cat([k, key_states], 2), torch.cat([v, value_states], 2))
+        rtz = layer_idx in self.toward_zero
+        return super().update(fp8_round(key_states, rtz), fp8_round(value_states, rtz), layer_idx, *args, **kwargs)
 
 
 def kv_from_cache(cache, layer_idx: int, k: torch.Tensor, v: torch.Tensor):

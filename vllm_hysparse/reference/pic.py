@@ -28,7 +28,7 @@ from transformers import DynamicCache
 
 from vllm_hysparse.configs.hysparse2 import SLIDING
 from vllm_hysparse.pic.layout import PICLayout
-from vllm_hysparse.reference.layers import RotaryEmbedding
+from vllm_hysparse.reference.layers import Fp8KVCache, RotaryEmbedding
 from vllm_hysparse.reference.modeling_hysparse2 import HySparse2ForCausalLM
 
 # layer index -> (K, V), each `[B, G, T, D]` as the transformers cache holds them.
@@ -72,18 +72,22 @@ def slice_rows(kv: LayerKV, lo: int, hi: int) -> LayerKV:
 
 
 @torch.no_grad()
-def isolated_segment_cache(model, ids) -> LayerKV:
+def isolated_segment_cache(model, ids, cache: DynamicCache | None = None) -> LayerKV:
     """Run `model` on segment `ids` (`[T]` or list) alone, at positions `0 .. T-1`; its per-layer stored K/V.
 
     Returns {layer index: (K, V)}, each `[1, G, T, D]`: what the segment store
     holds for this segment. K of rotary layers is rotated for positions 0 .. T-1.
+    `cache`: an empty cache to run in (an `Fp8KVCache`: the segment's layers
+    attend to rounded K/V, as the engine's prefill does, while the store keeps
+    what each layer wrote before rounding).
     """
     ids = torch.as_tensor(ids, dtype=torch.long).view(1, -1)
     # logits_to_keep=1: only the cache is wanted (HySparse2 then skips the
     # cross-decoder for all but one row; its cached K/V are bridged from the
     # self-decoder, so they are complete either way).
-    res = model(ids, past_key_values=None, use_cache=True, logits_to_keep=1)
-    return cache_kv(res.past_key_values)
+    res = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    written = getattr(res.past_key_values, "written", None)
+    return dict(written) if written is not None else cache_kv(res.past_key_values)
 
 
 def layer_rotary(model, layer_idx: int) -> RotaryEmbedding | None:
@@ -137,8 +141,12 @@ def rotate_to(cache_or_kv, model, start: int) -> LayerKV:
 
 
 @torch.no_grad()
-def pic_prefill(model, prompt_ids: list[int], layout: PICLayout) -> tuple[DynamicCache, torch.Tensor]:
+def pic_prefill(model, prompt_ids: list[int], layout: PICLayout,
+                cache: DynamicCache | None = None) -> tuple[DynamicCache, torch.Tensor]:
     """Assemble the cache of a PIC prompt as SPEC §4 says; (cache, logits `[vocab]` of the last prompt row).
+
+    `cache`: an empty cache to assemble into (`layers.Fp8KVCache` for an FP8 engine's), else a new one;
+    isolated segments then run in an empty copy of it.
 
     The prefix is fed plainly; for every middle segment the seam rows are fed
     in context (attending to everything assembled before them), then the
@@ -154,14 +162,15 @@ def pic_prefill(model, prompt_ids: list[int], layout: PICLayout) -> tuple[Dynami
         return res.past_key_values, res.logits[0, -1]
 
     (a0, n0), query = (layout.starts[0], layout.segments[0]), layout.starts[-1]
-    cache, _ = feed(None, a0, a0 + n0)
+    fresh = cache.empty_like if isinstance(cache, Fp8KVCache) else lambda: None
+    cache, _ = feed(cache, a0, a0 + n0)
     for i, a, n in layout.middle():
         lo, hi = layout.spliced_span(i)  # seam is [a, lo), spliced [lo, hi)
         if lo > a:
             cache, _ = feed(cache, a, lo)
         if hi > lo:
             assert cache.get_seq_length() == lo
-            stored = isolated_segment_cache(model, ids[0, a:hi])
+            stored = isolated_segment_cache(model, ids[0, a:hi], fresh())
             append_kv(cache, slice_rows(rotate_to(stored, model, a), lo - a, hi - a))
     assert cache.get_seq_length() == query
     return feed(cache, query, layout.prompt_len)
@@ -174,18 +183,21 @@ def pic_next_token_logits(model, prompt_ids: list[int], layout: PICLayout) -> to
 
 @torch.no_grad()
 def pic_greedy(model, prompt_ids: list[int], layout: PICLayout, max_tokens: int,
-               top_logprobs: int = 5) -> PICCompletion:
+               top_logprobs: int = 5, cache: DynamicCache | None = None,
+               forced: list[int] | None = None) -> PICCompletion:
     """Greedy continuation of a PIC prompt, step by step with the assembled cache.
 
     Logprobs as `tests/vllm_utils.reference_greedy`: per generated position the
     top-`top_logprobs` token ids -> float64 log-softmax of the logits.
+    `forced`: continue with these tokens instead of the argmax (the reference
+    along another engine's continuation), `max_tokens` of them.
     """
-    cache, logits = pic_prefill(model, prompt_ids, layout)
+    cache, logits = pic_prefill(model, prompt_ids, layout, cache)
     tokens, logprobs = [], []
     for step in range(max_tokens):
         lp = torch.log_softmax(logits.double(), dim=-1)
         top = torch.topk(lp, top_logprobs)
-        token = int(top.indices[0])
+        token = int(top.indices[0]) if forced is None else forced[step]
         tokens.append(token)
         logprobs.append({int(i): float(v) for i, v in zip(top.indices, top.values)})
         if step + 1 < max_tokens:  # decode tokens extend the query, plainly
