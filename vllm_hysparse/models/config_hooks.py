@@ -21,10 +21,39 @@ PIC_WORKERS = {"cpu": "vllm_hysparse.pic.worker.HySparseCPUWorker",
                "cuda": "vllm_hysparse.pic.worker_gpu.HySparseGPUWorker"}
 
 
+# vLLM's switch between its model runners (vllm/envs.py); unset, vLLM picks V2 wherever Triton sees a GPU.
+V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+def select_v1_runner(vllm_config) -> None:
+    """Model Runner V2 policy: HySparse checkpoints run on the V1 runner unless the user chose a runner.
+
+    vLLM 0.32 picks V2 by itself wherever Triton sees a GPU driver
+    (`VllmConfig.use_v2_model_runner`, vllm/config/vllm.py). Our PIC worker and
+    runner extend V1's (vllm/v1/worker/gpu_model_runner.py), and V1 is the path
+    our tests cover; under V2 every PIC request would be refused. The property
+    reads the environment variable on every call, and this hook runs at the
+    start of `VllmConfig.__post_init__` (`try_verify_and_update_config`), before
+    anything reads it; worker processes inherit the environment. A user who
+    sets the variable keeps their choice (V2: PIC requests are refused).
+    """
+    if os.environ.get(V2_RUNNER_ENV) is not None or not vllm_config.use_v2_model_runner:
+        return
+    from vllm import envs
+
+    os.environ[V2_RUNNER_ENV] = "0"
+    if hasattr(envs.__getattr__, "cache_clear"):  # vLLM caches its variables once a service has started
+        envs.disable_envs_cache()
+        envs.enable_envs_cache()
+    logger.info("HySparse: using vLLM's V1 model runner, which serves PIC requests and is the path this plugin "
+                "is tested on (%s=1 chooses V2; PIC requests are then refused)", V2_RUNNER_ENV)
+
+
 def select_pic_worker(vllm_config) -> None:
-    """PIC needs no flag: take our worker where vLLM would pick its default one."""
+    """PIC needs no flag: take our worker where vLLM would pick its default one (on the V1 runner)."""
     from vllm.platforms import current_platform
 
+    select_v1_runner(vllm_config)
     parallel = vllm_config.parallel_config
     worker = PIC_WORKERS.get(current_platform.device_type)
     if parallel.worker_cls == "auto" and worker is not None and not vllm_config.use_v2_model_runner:
