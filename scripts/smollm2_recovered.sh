@@ -5,7 +5,8 @@
 # Writes $CHECKPOINTS/smollm2-<arch> (the delta's base) and $CHECKPOINTS/smollm2-<arch>-recovered
 # (CHECKPOINTS=checkpoints by default).
 # The delta refuses a base whose weights differ from the one it was trained on. Each step is skipped when its
-# output is there (the recovered checkpoint: when it was built from the same delta). Exits 3 without a registry.
+# output is there (the base: when its config is the delta's base_config.json; the recovered checkpoint: when
+# it was built from the same delta). Exits 3 without a registry.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv}"
@@ -18,15 +19,22 @@ ARCHS=("$@")
 [ ${#ARCHS[@]} -gt 0 ] || ARCHS=(hysparse hysparse2)
 for a in "${ARCHS[@]}"; do
   base="$CHECKPOINTS/smollm2-$a"
-  # The converter's default plan for this architecture: the one the deltas were trained on.
-  [ -f "$base/config.json" ] || "$PY" -m vllm_hysparse.tools.convert --src "$TEACHER" --dst "$base" --arch "$a"
+  delta="deltas/smollm2-$a"
+  # The plan the delta was trained on: its plan.json (a plan measured on data, recovery.plan) where it has
+  # one, else the converter's default. A base converted otherwise (its config is not the delta's
+  # base_config.json) is converted again.
+  plan=()
+  [ -f "$delta/plan.json" ] && plan=(--plan "$delta/plan.json")
+  if ! cmp -s "$base/config.json" "$delta/base_config.json"; then
+    "$PY" -m vllm_hysparse.tools.convert --src "$TEACHER" --dst "$base" --arch "$a" "${plan[@]}" --force
+  fi
   out="$CHECKPOINTS/smollm2-$a-recovered"
   # Rebuilt only when the committed delta changed since the last build (its digest beside the checkpoint).
-  digest="$(sha256sum "deltas/smollm2-$a/delta.safetensors" | cut -d' ' -f1)"
+  digest="$(sha256sum "$delta/delta.safetensors" | cut -d' ' -f1)"
   if [ -f "$out/config.json" ] && [ "$(cat "$out.delta-sha256" 2>/dev/null)" = "$digest" ]; then
-    echo "[smollm2] $out is up to date with deltas/smollm2-$a"
+    echo "[smollm2] $out is up to date with $delta"
     continue
   fi
-  "$PY" -m vllm_hysparse.recovery apply --base "$base" --delta "deltas/smollm2-$a" --out "$out" --force
+  "$PY" -m vllm_hysparse.recovery apply --base "$base" --delta "$delta" --out "$out" --force
   echo "$digest" >"$out.delta-sha256"
 done
