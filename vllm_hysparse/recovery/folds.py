@@ -118,9 +118,11 @@ def _expected_shapes(attn, part: str) -> tuple[int, ...]:
             "swa_gate_proj.headwise": (h, attn.q_proj.in_features)}[part]
 
 
-def check_init(model, record: Record) -> None:
-    """Raise a one-line ValueError unless `record` fits `model` (names, shapes, orders that are permutations)."""
-    for path, (attn, parts) in _by_layer(model, record).items():
+def check_init(model, record: Record) -> dict[str, tuple[torch.nn.Module, dict[str, torch.Tensor]]]:
+    """Raise a one-line ValueError unless `record` fits `model` (names, shapes, orders that are permutations);
+    returns the record by layer (`_by_layer`)."""
+    layers = _by_layer(model, record)
+    for path, (attn, parts) in layers.items():
         for part, value in parts.items():
             try:
                 want = _expected_shapes(attn, part)
@@ -134,6 +136,7 @@ def check_init(model, record: Record) -> None:
             if 0 < len(together & parts.keys()) < len(together):
                 raise ValueError(f"{path}: the initialisation has {sorted(together & parts.keys())} without "
                                  f"{sorted(together - parts.keys())}")
+    return layers
 
 
 @torch.no_grad()
@@ -141,8 +144,7 @@ def apply_init(model, record: Record) -> None:
     """Apply a stage-0 record (`initialise`'s) to the converted `model`, in place: the same folds, in the same
     order (replaced projections, per-head maps, head moves, gates), so the result is the initialised model.
     The whole record is checked first (`check_init`), so a misfit changes nothing."""
-    check_init(model, record)
-    for attn, parts in _by_layer(model, record).values():
+    for attn, parts in check_init(model, record).values():
         _apply_layer(attn, parts)
 
 

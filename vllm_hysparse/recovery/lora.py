@@ -158,6 +158,14 @@ def delta_state(model, digest: str, init_record: Record | None = None) -> tuple[
     return tensors, meta
 
 
+def _parts(tensors: dict[str, torch.Tensor]) -> tuple[Record, list[str], dict[str, torch.Tensor]]:
+    """A delta's (stage-0 record, module paths with LoRA factors, parameters stored whole)."""
+    record = {k: v for k, v in tensors.items() if k.startswith(INIT_PREFIX)}
+    paths = sorted({k.rsplit(".", 1)[0] for k in tensors if k.endswith((".lora_A", ".lora_B"))})
+    full = {k: v for k, v in tensors.items() if not k.endswith((".lora_A", ".lora_B")) and k not in record}
+    return record, paths, full
+
+
 def check_delta(model, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
     """Raise a one-line ValueError unless the delta fits `model`'s layout: format, model type, every tensor
     naming a converted layer's parameter of the right shape, LoRA factors that fit, a stage-0 record that fits.
@@ -169,9 +177,7 @@ def check_delta(model, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -
         raise ValueError(f"the delta is for a {meta.get('model_type')} model, the base is {model.config.model_type}")
     rank = int(meta["rank"])
     params = dict(model.named_parameters())
-    record = {k: v for k, v in tensors.items() if k.startswith(INIT_PREFIX)}
-    paths = sorted({k.rsplit(".", 1)[0] for k in tensors if k.endswith((".lora_A", ".lora_B"))})
-    full = {k: v for k, v in tensors.items() if not k.endswith((".lora_A", ".lora_B")) and k not in record}
+    record, paths, full = _parts(tensors)
     missing = [k for k in [f"{p}.weight" for p in paths] + list(full) if k not in params]
     if missing:
         raise ValueError(f"the delta names {missing[0]}, which the base model does not have")
@@ -197,9 +203,7 @@ def apply_delta(model, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -
     check_delta(model, tensors, meta)
     rank, alpha = int(meta["rank"]), float(meta["alpha"])
     params = dict(model.named_parameters())
-    record = {k: v for k, v in tensors.items() if k.startswith(INIT_PREFIX)}
-    paths = sorted({k.rsplit(".", 1)[0] for k in tensors if k.endswith((".lora_A", ".lora_B"))})
-    full = {k: v for k, v in tensors.items() if not k.endswith((".lora_A", ".lora_B")) and k not in record}
+    record, paths, full = _parts(tensors)
     names = paths if meta["format"] == DELTA_FORMAT_V1 else converted_linears(model)
     if base_digest(model, names) != meta.get("base_digest"):
         raise ValueError("the delta was trained on a different base checkpoint (base weights digest differs)")
