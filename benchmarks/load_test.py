@@ -303,7 +303,9 @@ def make_client(root_url: str, timeout_s: float, connections: int):
     import httpx2
     import openai
 
-    limits = httpx2.Limits(max_connections=connections + 16, max_keepalive_connections=connections + 16)
+    # keepalive_expiry below uvicorn's 5 s keep-alive: a request on a connection the server is closing is reset.
+    limits = httpx2.Limits(max_connections=connections + 16, max_keepalive_connections=connections + 16,
+                           keepalive_expiry=1.0)
     return openai.AsyncOpenAI(base_url=f"{root_url}/v1", api_key="unused", max_retries=0,
                               timeout=httpx2.Timeout(timeout_s, connect=30.0), http_client=httpx2.AsyncClient(
                                   limits=limits, timeout=httpx2.Timeout(timeout_s, connect=30.0)))

@@ -10,6 +10,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
+
 import tests.vllm_utils  # noqa: F401  (CPU engine environment, before vLLM starts)
 from vllm_hysparse.metrics import METRICS_DIR_ENV
 
@@ -19,6 +21,19 @@ SERVE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind
 API_KEY = "hostile-test-key"
 MAX_LEN = 512
 VOCAB = 8192  # the tiny preset's vocabulary
+# A pooled client must drop an idle connection before the server does: uvicorn closes one after
+# VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s), httpx keeps it 5 s too, and a request sent on a connection the
+# server is closing at that moment dies with a connection reset (`ReadError`), which is the client's
+# race, not the server's fault. (vllm/envs.py: VLLM_HTTP_TIMEOUT_KEEP_ALIVE.)
+KEEPALIVE_EXPIRY_S = 1.0
+
+
+def pool_limits(connections: int) -> httpx.Limits:
+    """Connection limits for a client that sends `connections` requests at once to a `vllm serve`."""
+    return httpx.Limits(max_connections=connections, max_keepalive_connections=connections,
+                        keepalive_expiry=KEEPALIVE_EXPIRY_S)
+
+
 def server_env(extra: dict | None = None) -> dict[str, str]:
     """The environment of a `vllm serve` child: ours, less the metrics directory, plus the CPU engine settings.
 

@@ -21,7 +21,7 @@ from collections import Counter
 import httpx
 import pytest
 
-from tests.entrypoints.serve_utils import MAX_LEN, VOCAB, error_of
+from tests.entrypoints.serve_utils import MAX_LEN, VOCAB, error_of, pool_limits
 from tests.vllm_utils import make_llm, random_prompts, shutdown
 
 SEED = 20261202
@@ -193,7 +193,7 @@ def _expected_refusal(arch: str, body: dict) -> str | None:
 
 async def _send_all(server, cases, known_good):
     headers = server.headers
-    limits = httpx.Limits(max_connections=BATCH, max_keepalive_connections=BATCH)
+    limits = pool_limits(BATCH)
     results, after = [], []
     async with httpx.AsyncClient(base_url=server.root, headers=headers, timeout=REQUEST_TIMEOUT_S,
                                  limits=limits) as client:

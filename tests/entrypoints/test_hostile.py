@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from tests.entrypoints.serve_utils import API_KEY, MAX_LEN, VOCAB, error_of
+from tests.entrypoints.serve_utils import API_KEY, MAX_LEN, VOCAB, error_of, pool_limits
 from tests.vllm_utils import random_prompts
 
 SEED = 20261201
@@ -451,7 +451,7 @@ def check_response(case: Case, response) -> str | None:
 
 async def barrage(root: str, cases: list[Case], on_batch=None):
     """Send `cases` BATCH at a time; `on_batch(client)` runs after every batch. Returns the responses, in order."""
-    limits = httpx.Limits(max_connections=BATCH, max_keepalive_connections=BATCH)
+    limits = pool_limits(BATCH)
     out = []
     deadline = time.monotonic() + BARRAGE_TIMEOUT_S
     async with httpx.AsyncClient(base_url=root, timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
