@@ -54,6 +54,9 @@ SERVE=("$VENV/bin/vllm" serve "$CKPT" --dtype float32 --host 127.0.0.1 --port "$
 if [ "${KEEP_SERVING:-0}" = 1 ]; then
   exec "${SERVE[@]}"
 fi
+# The one-shot demo answers a few short requests: torch.compile's warm-up (about 2 min on two cores) would
+# cost more than it saves, so it runs eager. KEEP_SERVING=1 above keeps the compiled server.
+SERVE+=(--enforce-eager)
 LOG="$(dirname "$CKPT")/serve.log"
 echo "[demo] ${SERVE[*]}  (log: $LOG)"
 "${SERVE[@]}" >"$LOG" 2>&1 &
