@@ -63,6 +63,11 @@ class StepPlan:
     stats: dict = field(default_factory=dict)
 
 
+def _ranks(counts: np.ndarray) -> np.ndarray:
+    """0..c-1 for each count c, concatenated: `[2, 3]` -> `[0, 1, 0, 1, 2]`."""
+    return np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+
+
 class KVTap:
     """Wraps every KV-owning layer's cache write; records what it writes while `capture` is a dict."""
 
@@ -97,6 +102,7 @@ class PICEngine:
         self.ropes: dict[str, object] = {}
         self.windows: dict[str, int | None] = {}  # sliding-window layers: their window
         self._scratch: dict[str, torch.Tensor] = {}  # KV-owning layer name -> its isolated pass's cache
+        self.drafts: dict[str, list[int]] = {}  # this step's speculative draft tokens, by request id
 
     # ---- setup -------------------------------------------------------------------------------------
     def _setup(self, runner) -> None:
@@ -267,15 +273,19 @@ class PICEngine:
         lens = np.array(v_end) - np.array(v_start)
         v_qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
         seq_lens = np.array([pos_np[e - 1] + 1 for e in v_end], dtype=np.int32)
-        # Logits rows (each request's last scheduled row), in the subset's numbering.
+        # Logits rows, in the subset's numbering: each request's last scheduled row and, before it, one row per
+        # speculative draft token, which vLLM also samples (gpu_model_runner.py `_calc_spec_decode_metadata`).
+        # HySparse2's early exit runs its cross-decoder on these rows only.
         new_index = np.full(len(keep), -1)
         new_index[np.flatnonzero(keep)] = np.arange(n)
-        logits = new_index[qsl[1:] - 1]
+        drafts = np.array([len(self.drafts.get(rid, ())) for rid in runner.input_batch.req_ids[:num_reqs]])
+        first = qsl[1:] - 1 - drafts
+        logits = new_index[np.repeat(first, drafts + 1) + _ranks(drafts + 1)]
         logits = logits[logits >= 0]
         if len(logits) == 0:  # every request's last row is spliced; the cross-decoder still needs one row
             logits = np.array([n - 1])
         metadata, slots = self._metadata(runner, context, v_req, v_qsl, seq_lens, rows, positions[rows], logits,
-                                         block_tables=None)
+                                         block_tables=None, max_logits=int(drafts.max(initial=0)) + 1)
         sub = replace(context, attn_metadata=metadata, slot_mapping=slots)
         ids = input_ids[rows] if input_ids is not None else None
         embeds = inputs_embeds[rows] if inputs_embeds is not None else None
@@ -284,9 +294,11 @@ class PICEngine:
         full[rows] = out
         return full
 
-    def _metadata(self, runner, context, v_req, v_qsl, seq_lens, rows, positions, logits, block_tables):
+    def _metadata(self, runner, context, v_req, v_qsl, seq_lens, rows, positions, logits, block_tables,
+                  max_logits: int = 1):
         """Attention metadata and slot mappings of a virtual batch, for every KV cache group's builders.
 
+        `logits` are the batch rows whose logits are sampled, at most `max_logits` of them per virtual request.
         `block_tables` maps a group id to `[num_virtual, pages]` (the isolated pass's scratch pages); None
         takes each virtual request's rows of the request's own block table, and its slots from this step's.
         """
@@ -312,7 +324,7 @@ class PICEngine:
             if runner.cache_config.kv_sharing_fast_prefill:
                 cm.logits_indices_padded = torch.as_tensor(logits, dtype=torch.int64, device=device)
                 cm.num_logits_indices = len(logits)
-                cm.max_logits_per_req = 1
+                cm.max_logits_per_req = max_logits
             for attn_group in runner.attn_groups[gid]:
                 built = attn_group.build_metadata(cm)
                 for name in attn_group.layer_names:
@@ -447,6 +459,7 @@ class PICRunnerMixin:
         done = set(scheduler_output.finished_req_ids) | set(scheduler_output.preempted_req_ids or ())
         if done:
             engine.release(done)
+        engine.drafts = scheduler_output.scheduled_spec_decode_tokens
         for new in scheduler_output.scheduled_new_reqs:
             engine.admit(self, new.req_id, new.sampling_params, new.prompt_token_ids)
         for rid in scheduler_output.scheduled_cached_reqs.resumed_req_ids:
