@@ -30,7 +30,11 @@ def ckpt(tmp_path_factory):
 def _serve(ckpt, log: Path):
     """`vllm serve` as a user would start it; yields (base_url, log path) while it runs."""
     # 600 s: a compiled server's start has taken over 300 s on the shared 2-core machine
-    with serve(ckpt, log, "--max-model-len", "1024", start_timeout_s=600) as server:
+    # No whitespace between JSON tokens in structured outputs: a model with random weights would otherwise pad a
+    # JSON answer with it until max_tokens (test_structured_outputs_are_valid).
+    compact_json = '{"backend": "xgrammar", "disable_any_whitespace": true}'
+    with serve(ckpt, log, "--max-model-len", "1024", "--structured-outputs-config", compact_json,
+               start_timeout_s=600) as server:
         yield server.base_url, log
 
 
@@ -300,3 +304,39 @@ def test_hysparse2_serves_with_early_exit(hysparse2_server):
     assert 1 <= lines["vllm:hysparse_pages_per_query"] <= 32
     assert lines["vllm:hysparse_pages_per_query"] == pytest.approx(
         lines["vllm:hysparse_pages_touched_total"] / lines["vllm:hysparse_sparse_queries_total"], rel=1e-9)
+
+
+# A schema whose every valid instance is short: with random weights, a free-form string or number could run
+# past max_tokens.
+SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Paris", "Tokyo", "Lima"]}, "ok": {"type": "boolean"}},
+          "required": ["city", "ok"], "additionalProperties": False}
+CHOICES = ["alpha", "beta", "gamma"]
+REGEX = r"[0-9]{3}-[a-z]{2}"
+
+
+@pytest.mark.parametrize("which", ["server", "hysparse2_server"])
+def test_structured_outputs_are_valid(request, which):
+    """JSON schema, choice and regex constraints (vLLM's structured outputs) hold on sampled output."""
+    import jsonschema
+
+    base_url, _ = request.getfixturevalue(which)
+    client = openai.OpenAI(base_url=base_url, api_key="unused")
+    model = client.models.list().data[0].id
+    messages = [{"role": "user", "content": "Name a city as JSON."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}}
+    for seed in range(4):
+        choice = client.chat.completions.create(model=model, messages=messages, max_tokens=40, temperature=1.0,
+                                                seed=seed, response_format=fmt).choices[0]
+        assert choice.finish_reason == "stop", (seed, choice.message.content)
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+        text = client.completions.create(model=model, prompt="Pick one:", max_tokens=8, temperature=1.0, seed=seed,
+                                         extra_body={"structured_outputs": {"choice": CHOICES}}).choices[0].text
+        assert text in CHOICES, (seed, text)
+        text = client.completions.create(model=model, prompt="Code:", max_tokens=12, temperature=1.0, seed=seed,
+                                         extra_body={"structured_outputs": {"regex": REGEX}}).choices[0].text
+        assert re.fullmatch(REGEX, text), (seed, text)
+    # The control: the same request unconstrained is not an instance of the schema.
+    free = client.chat.completions.create(model=model, messages=messages, max_tokens=40, temperature=1.0,
+                                          seed=0).choices[0].message.content
+    with pytest.raises((ValueError, jsonschema.ValidationError)):
+        jsonschema.validate(json.loads(free), SCHEMA)

@@ -59,8 +59,17 @@ class HeldOut:
         return {"heldout_kl": kl / rows, "heldout_top1": top1 / rows}
 
 
+WARMUP = 0.05  # share of a stage's budget over which the learning rate ramps up linearly
+
+
 def cosine_lr(step_fraction: float, lr: float) -> float:
-    return lr * 0.5 * (1 + math.cos(math.pi * min(step_fraction, 1.0)))
+    """Linear warm-up over the first WARMUP of the budget, then a cosine to 0.
+
+    Without warm-up, Adam's first steps at the peak rate undo much of a closed-form
+    initialisation (SmolLM2 HySparse, stage 0 then stage 1: held-out KL 0.47 -> 0.82 after 10 steps).
+    """
+    f = min(step_fraction, 1.0)
+    return lr * min(1.0, (f + 1e-3) / WARMUP) * 0.5 * (1 + math.cos(math.pi * f))
 
 
 def run_stage(name: str, loss_fn, windows: list, params: list, *, minutes: float, lr: float, clock: Clock,
