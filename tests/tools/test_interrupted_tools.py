@@ -85,7 +85,10 @@ def run_interrupted(cmd: list[str], out: Path, sig: int, moment: Moment, log: Pa
     """Run `cmd` and send it `sig` at `moment` (unless it finishes first). Returns what happened."""
     t0 = time.monotonic()
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=ENV, cwd=ROOT)
+        # SIGINT back to its default: a shell starts background jobs (`cmd &`) with SIGINT ignored, and a
+        # child inherits that, so under such a CI launch the tool would never see the signal.
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=ENV, cwd=ROOT,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen_tmp = armed = sent_at = None
     try:
         while proc.poll() is None:
