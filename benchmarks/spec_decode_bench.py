@@ -112,9 +112,8 @@ def main(argv=None) -> int:
     import torch
     import vllm
 
-    meta = {"command": "python " + " ".join([Path(__file__).relative_to(Path.cwd()).as_posix()
-                                            if Path(__file__).is_relative_to(Path.cwd()) else __file__]
-                                           + (argv if argv is not None else sys.argv[1:])),
+    meta = {"command": " ".join(["python", "benchmarks/spec_decode_bench.py",
+                                 *(argv if argv is not None else sys.argv[1:])]),
             "torch": torch.__version__, "vllm": vllm.__version__, "threads": torch.get_num_threads(),
             "load": os.getloadavg(), "drafts": args.drafts, "tokens": args.tokens, "prompts": args.prompts}
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
