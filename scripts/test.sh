@@ -24,7 +24,8 @@ fi
 # They share nothing, so the two kernel processes run beside the engine suite. Each engine test mostly waits
 # on one core (imports, compilation, Python-side scheduling), so the engine suite runs on TEST_WORKERS
 # pytest-xdist workers, a test file per worker at a time (`--dist loadfile`: a module's engines and servers
-# stay in one process and its tests keep their order).
+# stay in one process and its tests keep their order; files that share a server run on one worker, by the table
+# in tests/conftest.py).
 LOGS="$(mktemp -d "${TMPDIR:-/tmp}/hysparse-tests.XXXXXX")"
 trap 'rm -rf "$LOGS"' EXIT
 "$PY" -m pytest tests/kernels --junitxml="$LOGS/kernels.xml" "${ARGS[@]}" >"$LOGS/kernels.log" 2>&1 &

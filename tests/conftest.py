@@ -97,6 +97,31 @@ def pytest_collection_modifyitems(config, items):
             f"its own (scripts/test.sh does)")
 
 
+# `--dist loadfile` (scripts/test.sh) keeps a test file on one pytest-xdist worker, so its module-scoped engines and
+# servers start once and its tests keep their order. Files that share a package-scoped server must share a worker
+# too, or each worker starts its own: file -> the group that runs on one worker, in collection order.
+XDIST_FILE_GROUPS = {
+    "tests/entrypoints/test_edge_values.py": "tiny_server",  # tests/entrypoints/conftest.py, tiny_server
+    "tests/entrypoints/test_hostile.py": "tiny_server",
+}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """loadfile scheduling with `XDIST_FILE_GROUPS` (xdist's own `loadgroup` renames node ids, which pytest 9
+    no longer lets a plugin do, so its groups are silently ignored)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class GroupedFileScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return XDIST_FILE_GROUPS.get(path, path)
+
+    return GroupedFileScheduling(config, log)
+
+
 _popen_init = subprocess.Popen.__init__
 
 

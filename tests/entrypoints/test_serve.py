@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 import vllm_hysparse  # noqa: F401
 from tests.entrypoints.serve_utils import VLLM, free_port, serve, server_env
-from tests.vllm_utils import random_prompts, reference_greedy
+from tests.vllm_utils import offline_load_errors, random_prompts, reference_greedy
 from vllm_hysparse.tools.demo_client import hysparse_metrics
 from vllm_hysparse.tools.make_checkpoint import write_checkpoint
 
@@ -261,18 +261,30 @@ def _corrupt(src: Path, dst: Path, how: str) -> Path:
     return dst
 
 
-@pytest.mark.parametrize("how, message", [
-    ("missing", "missing tensor(s) model.layers.1.self_attn.swa_v_proj.weight"),
-    ("extra", "unexpected tensor model.layers.1.self_attn.k_proj.weight"),
-    ("shape", "model.layers.0.self_attn.o_proj.weight has shape (128, 64), expected (128, 256)"),
-    ("config", "layer_types[0]: must be 'full_attention'"),
-])
-def test_bad_checkpoint_fails_at_load_with_one_line_reason(ckpt, tmp_path, how, message):
-    bad = _corrupt(ckpt, tmp_path / how, how)
+WEIGHT_ERRORS = {
+    "missing": "missing tensor(s) model.layers.1.self_attn.swa_v_proj.weight",
+    "extra": "unexpected tensor model.layers.1.self_attn.k_proj.weight",
+    "shape": "model.layers.0.self_attn.o_proj.weight has shape (128, 64), expected (128, 256)",
+}
+
+
+def test_bad_weights_fail_at_load_with_one_line_reason(ckpt, tmp_path):
+    """The weight checks run in the worker's loader, the same code under `vllm serve` and `LLM`: all three cases
+    load in one process (`vllm serve` itself, with a weight error, is tests/tools/test_corrupt_checkpoints.py)."""
+    bad = {how: _corrupt(ckpt, tmp_path / how, how) for how in WEIGHT_ERRORS}
+    errors = offline_load_errors(list(bad.values()), tmp_path, timeout_s=400)
+    for how, path in bad.items():
+        error = errors[str(path)]
+        assert error is not None, f"{how}: LLM(...) loaded a corrupt checkpoint"
+        assert WEIGHT_ERRORS[how] in error and "\n" not in error, (how, error)
+
+
+def test_bad_config_fails_at_serve_with_one_line_reason(ckpt, tmp_path):
+    bad = _corrupt(ckpt, tmp_path / "config", "config")
     result = subprocess.run([VLLM, "serve", str(bad), "--dtype", "float32", "--port", str(free_port())],
                             capture_output=True, text=True, timeout=300, env=server_env())
     assert result.returncode != 0
-    assert message in result.stdout + result.stderr
+    assert "layer_types[0]: must be 'full_attention'" in result.stdout + result.stderr
 
 
 @pytest.fixture(scope="module")

@@ -147,7 +147,9 @@ def fp8(request, tmp_path_factory):
     src = write_checkpoint(root / "float", arch, "tiny", seed=21)
     dst = quantize_checkpoint(src, root / "fp8", IGNORED[arch])
     reference, quantised = _fp8_reference(src, dst)
-    llm = make_llm(dst)
+    # Eager: nothing here depends on compilation (tests/models/test_hysparse*.py and test_moe.py cover the
+    # compiled model), and an eager engine starts in seconds instead of minutes.
+    llm = make_llm(dst, enforce_eager=True)
     yield arch, src, dst, llm, reference, quantised
     shutdown(llm)
 
