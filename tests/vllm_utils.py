@@ -77,12 +77,14 @@ def make_llm(model_dir, own_process: bool = False, **kwargs):
     return llm
 
 
-def vllm_greedy(llm, prompts: list[list[int]], max_tokens: int) -> list[Completion]:
+def vllm_greedy(llm, prompts: list[list[int]], max_tokens: int, lora_request=None) -> list[Completion]:
+    """`lora_request`: a `LoRARequest` for every prompt, or a list with one (or None) per prompt."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=TOP_LOGPROBS, ignore_eos=True)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False,
+                        lora_request=lora_request)
     return [Completion(list(o.outputs[0].token_ids),
                        [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs])
             for o in outs]

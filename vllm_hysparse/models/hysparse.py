@@ -24,7 +24,7 @@ from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-from vllm.model_executor.models.interfaces import SupportsPP
+from vllm.model_executor.models.interfaces import SupportsLoRA, SupportsPP
 from vllm.model_executor.models.utils import (
     PPMissingLayer,
     extract_layer_index,
@@ -216,7 +216,7 @@ class HySparseModel(nn.Module):
         return hidden_states
 
 
-class HySparseForCausalLM(nn.Module, SupportsPP):
+class HySparseForCausalLM(nn.Module, SupportsLoRA, SupportsPP):
     # Fused vLLM module -> the checkpoint modules it stacks (quantization ignore lists, LoRA).
     packed_modules_mapping = {
         "qkv_proj": ["q_proj", "k_proj", "v_proj"],
