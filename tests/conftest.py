@@ -146,6 +146,8 @@ def pytest_unconfigure(config):
 
 # Engine starts under pytest-xdist: each worker sends its counts with its results, the controller adds them up.
 WORKER_ENGINE_STARTS: collections.Counter = collections.Counter()
+WORKER_START_SECONDS: collections.Counter = collections.Counter()  # "file kind" -> seconds to ready
+WORKER_START_COUNTS: collections.Counter = collections.Counter()
 
 
 def pytest_sessionfinish(session):
@@ -154,11 +156,16 @@ def pytest_sessionfinish(session):
     utils = sys.modules.get("tests.vllm_utils")
     if hasattr(session.config, "workeroutput") and utils is not None:
         session.config.workeroutput["engine_starts"] = dict(utils.ENGINE_STARTS)
+        session.config.workeroutput["engine_start_seconds"] = dict(utils.ENGINE_START_SECONDS)
+        session.config.workeroutput["engine_start_counts"] = dict(utils.ENGINE_START_COUNTS)
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error):
-    WORKER_ENGINE_STARTS.update(getattr(node, "workeroutput", {}).get("engine_starts", {}))
+    out = getattr(node, "workeroutput", {})
+    WORKER_ENGINE_STARTS.update(out.get("engine_starts", {}))
+    WORKER_START_SECONDS.update(out.get("engine_start_seconds", {}))
+    WORKER_START_COUNTS.update(out.get("engine_start_counts", {}))
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -176,3 +183,10 @@ def pytest_terminal_summary(terminalreporter):
         counts = ", ".join(f"{k} {v}" for k, v in sorted(starts.items()))
         where = "this run's xdist workers" if WORKER_ENGINE_STARTS else "this process"
         terminalreporter.write_line(f"engine starts in {where}: {sum(starts.values())} ({counts})")
+    seconds = WORKER_START_SECONDS + (utils.ENGINE_START_SECONDS if utils is not None else collections.Counter())
+    n = WORKER_START_COUNTS + (utils.ENGINE_START_COUNTS if utils is not None else collections.Counter())
+    if seconds:
+        terminalreporter.write_line(f"seconds to a ready engine, by test file ({sum(seconds.values()):.0f} s in all; "
+                                    f"`vllm serve` started by a test's own Popen is not timed):")
+        for row, s in seconds.most_common():
+            terminalreporter.write_line(f"  {s:7.1f} s  {n[row]:3d} x  {row}")

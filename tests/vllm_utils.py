@@ -22,6 +22,27 @@ TOP_LOGPROBS = 5
 # Engines this pytest process started, by kind (`tests/conftest.py` prints them at the end of the run):
 # "offline" (`make_llm`), "serve" (a `vllm serve` subprocess), "load-check" (`offline_load_errors`).
 ENGINE_STARTS: collections.Counter = collections.Counter()
+# Seconds from start to ready, by test file: "file kind" -> seconds, and the number of starts timed
+# (`tests/conftest.py` prints the table at the end of the run, to show where CI time goes).
+ENGINE_START_SECONDS: collections.Counter = collections.Counter()
+ENGINE_START_COUNTS: collections.Counter = collections.Counter()
+
+
+@contextlib.contextmanager
+def timed_start(kind: str, count: bool = True):
+    """Adds the start's seconds to the current test file's row; `count`: count it in `ENGINE_STARTS` too
+    (`vllm serve` is counted where its process starts, tests/conftest.py)."""
+    import time
+
+    if count:
+        ENGINE_STARTS[kind] += 1
+    test = os.environ.get("PYTEST_CURRENT_TEST", "?").split("::", 1)[0]
+    t0 = time.monotonic()
+    try:
+        yield
+    finally:
+        ENGINE_START_SECONDS[f"{test} {kind}"] += time.monotonic() - t0
+        ENGINE_START_COUNTS[f"{test} {kind}"] += 1
 # Against a reference that rounds its K/V as the engine's caches do (`reference.layers.Fp8KVCache`), what is
 # left is float32 summation order, and now and then an element that lands on the other side of a rounding
 # boundary (measured: up to 5e-3).
@@ -62,11 +83,11 @@ def make_llm(model_dir, own_process: bool = False, **kwargs):
 
     args = dict(model=str(model_dir), dtype="float32", max_model_len=1024, seed=0)
     args.update(kwargs)
-    ENGINE_STARTS["offline"] += 1
     if own_process or not _in_process(args):
-        return LLM(**args)
+        with timed_start("offline"):
+            return LLM(**args)
     try:
-        with pytest.MonkeyPatch.context() as mp:
+        with pytest.MonkeyPatch.context() as mp, timed_start("offline in-process"):
             mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             llm = LLM(**args)
     finally:
@@ -205,11 +226,11 @@ def offline_load_errors(paths: list, work, timeout_s: float) -> dict[str, str | 
     import sys
 
     result = work / "errors.json"
-    ENGINE_STARTS["load-check"] += 1
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    run = subprocess.run([sys.executable, "-c", OFFLINE, str(result), *map(str, paths)],
-                         capture_output=True, text=True, timeout=timeout_s, env=env)
+    with timed_start("load-check"):
+        run = subprocess.run([sys.executable, "-c", OFFLINE, str(result), *map(str, paths)],
+                             capture_output=True, text=True, timeout=timeout_s, env=env)
     assert result.exists(), run.stdout[-3000:] + run.stderr[-3000:]
     return json.loads(result.read_text())
 

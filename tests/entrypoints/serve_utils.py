@@ -108,15 +108,17 @@ def serve(ckpt, log: Path, *args: str, api_key: str | None = None, env: dict | N
     cmd = [VLLM, "serve", str(ckpt), "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port), *args]
     if api_key:
         cmd += ["--api-key", api_key]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                env=server_env(env))
-    server = Server(proc, port, log, api_key)
+    server = None
     try:
-        _wait_healthy(server, start_timeout_s)
+        with tests.vllm_utils.timed_start("serve", count=False):
+            with open(log, "w") as out:
+                proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=server_env(env))
+            server = Server(proc, port, log, api_key)
+            _wait_healthy(server, start_timeout_s)
         yield server
     finally:
-        server.stop()
+        if server is not None:
+            server.stop()
 
 
 def error_of(response) -> tuple[str, str | None]:
