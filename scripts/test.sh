@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up the environment (scripts/setup_env.sh) and run the test suite on CPU.
 #   bash scripts/test.sh            the CI tier (what .ci/run runs)
-#   bash scripts/test.sh --bench    the benchmark tier only: load, soak and the PIC benchmark (`-m bench`)
+#   bash scripts/test.sh --bench    the benchmark tier only (`-m bench`): load, soak and the PIC benchmark, and
+#                                   the fp16 sm_90 AOT builds
 # Other arguments go to every pytest run, e.g. `bash scripts/test.sh -x`.
 # TEST_WORKERS (default 2) sets the pytest-xdist workers of the engine suite; TEST_WORKERS=0 runs it in one process.
 set -euo pipefail
@@ -15,8 +16,12 @@ bash scripts/setup_env.sh
 VENV="${VENV:-.venv}"
 PY="$VENV/bin/python"
 if [[ "$BENCH" == 1 ]]; then
-    # Engine tests only (no kernels: their conftest sets TRITON_INTERPRET for the process).
-    exec "$PY" -m pytest tests --ignore=tests/kernels --ignore=tests/kernels_aot -m bench "${ARGS[@]}"
+    # Engine tests, then the AOT builds in a process of their own (never tests/kernels: its conftest sets
+    # TRITON_INTERPRET for the process).
+    status=0
+    "$PY" -m pytest tests --ignore=tests/kernels --ignore=tests/kernels_aot -m bench "${ARGS[@]}" || status=$?
+    "$PY" -m pytest tests/kernels_aot -m bench "${ARGS[@]}" || status=$?
+    exit "$status"
 fi
 # Three pytest processes, because their environments differ: the kernel tests run Triton under its CPU
 # interpreter (TRITON_INTERPRET=1, set by tests/kernels/conftest.py for the whole process), the sm_90

@@ -27,13 +27,13 @@ def ckpt(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("serve") / "tiny", "hysparse", "tiny", seed=21)
 
 
-def _serve(ckpt, log: Path):
-    """`vllm serve` as a user would start it; yields (base_url, log path) while it runs."""
+def _serve(ckpt, log: Path, *args: str):
+    """`vllm serve` as a user would start it (plus `args`); yields (base_url, log path) while it runs."""
     # 600 s: a compiled server's start has taken over 300 s on the shared 2-core machine
     # No whitespace between JSON tokens in structured outputs: a model with random weights would otherwise pad a
     # JSON answer with it until max_tokens (test_structured_outputs_are_valid).
     compact_json = '{"backend": "xgrammar", "disable_any_whitespace": true}'
-    with serve(ckpt, log, "--max-model-len", "1024", "--structured-outputs-config", compact_json,
+    with serve(ckpt, log, "--max-model-len", "1024", "--structured-outputs-config", compact_json, *args,
                start_timeout_s=600) as server:
         yield server.base_url, log
 
@@ -289,8 +289,10 @@ def test_bad_config_fails_at_serve_with_one_line_reason(ckpt, tmp_path):
 
 @pytest.fixture(scope="module")
 def hysparse2_server(tmp_path_factory):
+    # Eager: the HySparse server above is the compiled one users start, and HySparse2's compiled early exit is
+    # checked offline (tests/models/test_hysparse2.py); a compile here would cost CI a minute.
     ckpt = write_checkpoint(tmp_path_factory.mktemp("serve2") / "tiny", "hysparse2", "tiny", seed=22)
-    yield from _serve(ckpt, tmp_path_factory.mktemp("serve2-log") / "serve.log")
+    yield from _serve(ckpt, tmp_path_factory.mktemp("serve2-log") / "serve.log", "--enforce-eager")
 
 
 def test_hysparse2_serves_with_early_exit(hysparse2_server):
