@@ -16,7 +16,13 @@ import tests.vllm_utils  # noqa: F401  (CPU engine environment, before vLLM star
 from vllm_hysparse.metrics import METRICS_DIR_ENV
 
 VLLM = str(Path(sys.executable).parent / "vllm")
-SERVE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+# VLLM_ENABLE_V1_MULTIPROCESSING=0: the server still runs its engine core in a process of its own (vLLM's async
+# client always does), but the worker runs inside it (vllm/platforms/cpu.py keeps the "uni" executor), one process
+# start less per server. `USER_TOPOLOGY` restores vLLM's own layout (API server, engine core, worker) where a test
+# needs it: the fault tests kill the worker, and test_serve starts one server exactly as a user would.
+SERVE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+             "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+USER_TOPOLOGY = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
 # The shared tiny servers of tests/entrypoints/conftest.py.
 API_KEY = "hostile-test-key"
 MAX_LEN = 512

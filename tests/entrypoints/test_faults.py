@@ -25,7 +25,7 @@ import psutil
 import pytest
 
 import vllm_hysparse  # noqa: F401
-from tests.entrypoints.serve_utils import server_env
+from tests.entrypoints.serve_utils import USER_TOPOLOGY, server_env
 from tests.vllm_utils import random_prompts
 from vllm_hysparse.tools.demo_client import wait_until_healthy
 from vllm_hysparse.tools.make_checkpoint import write_checkpoint
@@ -154,7 +154,7 @@ def test_killed_mid_stream(ckpt, tmp_path, target):
     with open(log, "w") as out:
         proc = subprocess.Popen([VLLM, "serve", str(ckpt), "--dtype", "float32", "--port", str(port),
                                  "--host", "127.0.0.1", "--max-model-len", "1024", "--enforce-eager"],
-                                stdout=out, stderr=subprocess.STDOUT, env=server_env())
+                                stdout=out, stderr=subprocess.STDOUT, env=server_env(USER_TOPOLOGY))
     server = psutil.Process(proc.pid)
     base = f"http://127.0.0.1:{port}"
     try:

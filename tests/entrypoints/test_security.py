@@ -33,7 +33,7 @@ import psutil
 import pytest
 import requests
 
-from tests.entrypoints.serve_utils import serve
+from tests.entrypoints.serve_utils import USER_TOPOLOGY, serve
 from vllm_hysparse import metrics
 from vllm_hysparse.tools.make_checkpoint import write_checkpoint
 
@@ -176,7 +176,7 @@ def server(ckpt, tmpdir_env, tmp_path_factory):
     before = _snapshot(ckpt)
     with serve(ckpt, log, "--enforce-eager", "--max-model-len", str(MAX_LEN),
                "--middleware", "vllm_hysparse.pic.middleware.PICTextMiddleware",
-               api_key=API_KEY, env={"TMPDIR": str(tmpdir_env)}) as s:
+               api_key=API_KEY, env={**USER_TOPOLOGY, "TMPDIR": str(tmpdir_env)}) as s:  # vLLM's own processes
         s.model_snapshot = before
         yield s
 

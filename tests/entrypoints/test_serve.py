@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 import vllm_hysparse  # noqa: F401
-from tests.entrypoints.serve_utils import VLLM, free_port, serve, server_env
+from tests.entrypoints.serve_utils import USER_TOPOLOGY, VLLM, free_port, serve, server_env
 from tests.vllm_utils import offline_load_errors, random_prompts, reference_greedy
 from vllm_hysparse.tools.demo_client import hysparse_metrics
 from vllm_hysparse.tools.make_checkpoint import write_checkpoint
@@ -27,20 +27,21 @@ def ckpt(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("serve") / "tiny", "hysparse", "tiny", seed=21)
 
 
-def _serve(ckpt, log: Path, *args: str):
+def _serve(ckpt, log: Path, *args: str, env: dict | None = None):
     """`vllm serve` as a user would start it (plus `args`); yields (base_url, log path) while it runs."""
     # 600 s: a compiled server's start has taken over 300 s on the shared 2-core machine
     # No whitespace between JSON tokens in structured outputs: a model with random weights would otherwise pad a
     # JSON answer with it until max_tokens (test_structured_outputs_are_valid).
     compact_json = '{"backend": "xgrammar", "disable_any_whitespace": true}'
-    with serve(ckpt, log, "--max-model-len", "1024", "--structured-outputs-config", compact_json, *args,
+    with serve(ckpt, log, "--max-model-len", "1024", "--structured-outputs-config", compact_json, *args, env=env,
                start_timeout_s=600) as server:
         yield server.base_url, log
 
 
 @pytest.fixture(scope="module")
 def server(ckpt, tmp_path_factory):
-    yield from _serve(ckpt, tmp_path_factory.mktemp("serve-log") / "serve.log")
+    # vLLM's own process layout and its compiled model: the server users start
+    yield from _serve(ckpt, tmp_path_factory.mktemp("serve-log") / "serve.log", env=USER_TOPOLOGY)
 
 
 @pytest.fixture(scope="module")
