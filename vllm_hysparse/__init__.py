@@ -35,22 +35,27 @@ def register() -> None:
     the pages-per-query metrics collector and the PIC request API (validation and
     prefix-cache salt in `InputProcessor.process_inputs`; in an API-server process
     the text-level middleware). No model code is imported and no device is touched.
+
+    First the installed vLLM's version is checked against the one the plugin's
+    touches of vLLM internals were tested with (`vllm_hysparse.vllm_glue`): an
+    older one is refused, a newer one warned about once.
     """
+    from vllm_hysparse.vllm_glue import check_vllm_version
+
+    check_vllm_version()
     from vllm import ModelRegistry
-    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     from vllm_hysparse.compat import install_prompt_logprobs_guard
     from vllm_hysparse.metrics import register_collector
     from vllm_hysparse.models.config_hooks import HySparse2ConfigUpdater, HySparseConfigUpdater
+    from vllm_hysparse.vllm_glue.registry import register_attention_backend, register_config_updater
 
     register_transformers()
     ModelRegistry.register_model("HySparseForCausalLM", "vllm_hysparse.models.hysparse:HySparseForCausalLM")
     ModelRegistry.register_model("HySparse2ForCausalLM", "vllm_hysparse.models.hysparse2:HySparse2ForCausalLM")
-    if "HYSPARSE" not in AttentionBackendEnum.__members__:
-        register_backend("HYSPARSE", "vllm_hysparse.attention.backend.HySparseAttentionBackend")
-    MODELS_CONFIG_MAP.setdefault("HySparseForCausalLM", HySparseConfigUpdater)
-    MODELS_CONFIG_MAP.setdefault("HySparse2ForCausalLM", HySparse2ConfigUpdater)
+    register_attention_backend("HYSPARSE", "vllm_hysparse.attention.backend.HySparseAttentionBackend")
+    register_config_updater("HySparseForCausalLM", HySparseConfigUpdater)
+    register_config_updater("HySparse2ForCausalLM", HySparse2ConfigUpdater)
     install_prompt_logprobs_guard()
     from vllm_hysparse.pic.frontend import install_pic_frontend
     from vllm_hysparse.pic.middleware import install_pic_middleware

@@ -74,30 +74,27 @@ def install_prompt_logprobs_guard() -> None:
     logits for earlier prompt rows, so a clear validation error is the only
     correct answer there. Idempotent.
     """
+    from vllm_hysparse.vllm_glue.input_processor import wrap_validate_params
+
+    wrap_validate_params(_GUARD_FLAG, check_request_params)
+
+
+def check_request_params(vllm_config, params) -> None:
+    """Raise `VLLMValidationError` for params the engine could not serve (see `install_prompt_logprobs_guard`)."""
     from vllm.exceptions import VLLMValidationError
     from vllm.sampling_params import SamplingParams
-    from vllm.v1.engine.input_processor import InputProcessor
 
-    original = InputProcessor._validate_params
-    if getattr(original, _GUARD_FLAG, False):
-        return
-
-    def _validate_params(self, params, supported_tasks):
-        # `is not None`, not truth: 0 asks for the prompt tokens' own logprobs, and vLLM's
-        # own check in AsyncLLM.add_request (v1/engine/async_llm.py) tests truth and lets it by.
-        if (isinstance(params, SamplingParams) and params.prompt_logprobs is not None
-                and self.vllm_config.cache_config.kv_sharing_fast_prefill):
-            raise VLLMValidationError(
-                "prompt_logprobs are not available with prefill early exit (KV-sharing fast prefill): "
-                f"the cross-decoder never runs on earlier prompt rows; set {EARLY_EXIT_ENV}=0 to get them",
-                parameter="prompt_logprobs", value=params.prompt_logprobs)
-        if isinstance(params, SamplingParams) and (name := unserialisable_field(params)) is not None:
-            value = getattr(params, name)
-            kind = (_SCALAR_FIELDS or {}).get(name)
-            why = (f"must be a {kind.__name__}, got {type(value).__name__}" if kind and _mistyped(value, kind)
-                   else "integers must lie in [-2**63, 2**64 - 1] (vLLM serialises requests with 64-bit integers)")
-            raise VLLMValidationError(f"{name}: {why}", parameter=name)
-        return original(self, params, supported_tasks)
-
-    setattr(_validate_params, _GUARD_FLAG, True)
-    InputProcessor._validate_params = _validate_params
+    # `is not None`, not truth: 0 asks for the prompt tokens' own logprobs, and vLLM's
+    # own check in AsyncLLM.add_request (v1/engine/async_llm.py) tests truth and lets it by.
+    if (isinstance(params, SamplingParams) and params.prompt_logprobs is not None
+            and vllm_config.cache_config.kv_sharing_fast_prefill):
+        raise VLLMValidationError(
+            "prompt_logprobs are not available with prefill early exit (KV-sharing fast prefill): "
+            f"the cross-decoder never runs on earlier prompt rows; set {EARLY_EXIT_ENV}=0 to get them",
+            parameter="prompt_logprobs", value=params.prompt_logprobs)
+    if isinstance(params, SamplingParams) and (name := unserialisable_field(params)) is not None:
+        value = getattr(params, name)
+        kind = (_SCALAR_FIELDS or {}).get(name)
+        why = (f"must be a {kind.__name__}, got {type(value).__name__}" if kind and _mistyped(value, kind)
+               else "integers must lie in [-2**63, 2**64 - 1] (vLLM serialises requests with 64-bit integers)")
+        raise VLLMValidationError(f"{name}: {why}", parameter=name)

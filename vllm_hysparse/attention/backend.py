@@ -45,7 +45,6 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
-from vllm.forward_context import get_forward_context
 from vllm.platforms import current_platform
 from vllm.utils.torch_utils import is_quantized_kv_cache
 from vllm.v1.attention.backend import (
@@ -63,6 +62,7 @@ from csrc_triton.paged_args import FP8_KV_DTYPE
 from csrc_triton.paged_batch import BatchPlan, make_plan
 from vllm_hysparse.attention.paged import split_kv_cache, write_kv
 from vllm_hysparse.metrics import worker_stats
+from vllm_hysparse.vllm_glue.forward_context import attention_layer
 
 BACKEND_NAME = "HYSPARSE"
 KERNELS_ENV = "VLLM_HYSPARSE_KERNELS"
@@ -318,7 +318,7 @@ class HySparseAttentionImpl(AttentionImpl):
         """
         if self._cache_owner is None:
             target = self.kv_sharing_target_layer_name
-            self._cache_owner = layer if target is None else get_forward_context().no_compile_layers[target]
+            self._cache_owner = layer if target is None else attention_layer(target)
         return self._cache_owner._k_scale_float, self._cache_owner._v_scale_float
 
     @property

@@ -10,15 +10,16 @@ with no used result and no mutation.
 """
 
 import torch
-from vllm.model_executor.layers.attention.attention import get_attention_context
 from vllm.utils.torch_utils import direct_register_custom_op
+
+from vllm_hysparse.vllm_glue.forward_context import attention_context
 
 OP_NAME = "hysparse_bridge_kv_write"
 
 
 def _bridge_kv_write(key: torch.Tensor, value: torch.Tensor, dependency: torch.Tensor, layer_name: str) -> None:
     """key, value `[T, G, D]` -> the pages of `layer_name` at this step's slots; `dependency` is only ordered."""
-    _, layer, kv_cache, slot_mapping = get_attention_context(layer_name)
+    layer, kv_cache, slot_mapping = attention_context(layer_name)
     if slot_mapping is None:  # profiling run: no cache yet
         return
     layer.impl.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)

@@ -5,6 +5,8 @@ import os
 
 from vllm.logger import init_logger
 
+from vllm_hysparse.vllm_glue.engine_config import V2_RUNNER_ENV, choose_default_worker, switch_to_v1_model_runner
+
 logger = init_logger("vllm.hysparse")
 
 # `VLLM_HYSPARSE2_EARLY_EXIT=0` runs the cross-decoder on every prompt token, which
@@ -21,10 +23,6 @@ PIC_WORKERS = {"cpu": "vllm_hysparse.pic.worker.HySparseCPUWorker",
                "cuda": "vllm_hysparse.pic.worker_gpu.HySparseGPUWorker"}
 
 
-# vLLM's switch between its model runners (vllm/envs.py); unset, vLLM picks V2 wherever Triton sees a GPU.
-V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
-
-
 def select_v1_runner(vllm_config) -> None:
     """Model Runner V2 policy: HySparse checkpoints run on the V1 runner unless the user chose a runner.
 
@@ -39,25 +37,15 @@ def select_v1_runner(vllm_config) -> None:
     """
     if os.environ.get(V2_RUNNER_ENV) is not None or not vllm_config.use_v2_model_runner:
         return
-    from vllm import envs
-
-    os.environ[V2_RUNNER_ENV] = "0"
-    if hasattr(envs.__getattr__, "cache_clear"):  # vLLM caches its variables once a service has started
-        envs.disable_envs_cache()
-        envs.enable_envs_cache()
+    switch_to_v1_model_runner()
     logger.info("HySparse: using vLLM's V1 model runner, which serves PIC requests and is the path this plugin "
                 "is tested on (%s=1 chooses V2; PIC requests are then refused)", V2_RUNNER_ENV)
 
 
 def select_pic_worker(vllm_config) -> None:
     """PIC needs no flag: take our worker where vLLM would pick its default one (on the V1 runner)."""
-    from vllm.platforms import current_platform
-
     select_v1_runner(vllm_config)
-    parallel = vllm_config.parallel_config
-    worker = PIC_WORKERS.get(current_platform.device_type)
-    if parallel.worker_cls == "auto" and worker is not None and not vllm_config.use_v2_model_runner:
-        parallel.worker_cls = worker
+    choose_default_worker(vllm_config, PIC_WORKERS)
 
 
 def check_engine_config(vllm_config) -> None:

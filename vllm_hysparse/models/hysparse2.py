@@ -17,8 +17,6 @@ projections only, and the cross-decoder runs on the rows whose logits are
 needed (prefill early exit, exact by construction).
 """
 
-import contextlib
-import dataclasses
 from collections.abc import Iterable
 
 import torch
@@ -27,7 +25,6 @@ from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.distributed import get_pp_group
 from vllm.distributed.utils import get_pp_indices
-from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear
@@ -44,7 +41,6 @@ from vllm.model_executor.models.utils import (
     maybe_prefix,
 )
 from vllm.sequence import IntermediateTensors
-from vllm.v1.attention.backends.utils import KVSharingFastPrefillMetadata
 
 from vllm_hysparse.attention.backend import HySparseAttentionBackend, TokenSelection
 from vllm_hysparse.attention.bridge import bridge_kv_write
@@ -68,6 +64,7 @@ from vllm_hysparse.models.common import (
     separate_v,
     window_attention,
 )
+from vllm_hysparse.vllm_glue.forward_context import batch_described, fast_prefill_logits
 
 # HF module under `self_attn.` -> (vLLM parameter owner, shard id); bridged K/V live in `model.bridges`.
 STACKS = {
@@ -396,13 +393,9 @@ class HySparse2Model(nn.Module):
 
     def _logits_rows(self) -> tuple[torch.Tensor | None, int | None]:
         """(row indices, count) whose logits this step needs, from the fast-prefill metadata."""
-        metadata = get_forward_context().attn_metadata
-        if metadata is None or not self.has_cross:  # profiling run, or no cross-decoder layer on this stage
+        if not self.has_cross:  # no cross-decoder layer on this stage
             return None, None
-        last = metadata[self.layers[self.end_layer - 1].self_attn.attn.layer_name]
-        if isinstance(last, KVSharingFastPrefillMetadata):
-            return last.logits_indices_padded, last.num_logits_indices
-        return None, None
+        return fast_prefill_logits(self.layers[self.end_layer - 1].self_attn.attn.layer_name)
 
     def _early_exit_forward(self, positions, hidden_states, residual):
         """Self-decoder (and bridges) on every row; cross-decoder on the logits rows only (SPEC §3.3).
@@ -426,7 +419,7 @@ class HySparse2Model(nn.Module):
         self.cross_positions[:n].copy_(positions[rows])
         self.cross_hidden[:n].copy_(hidden_states[rows])
         self.cross_residual[:n].copy_(residual[rows])
-        with _cross_decoder_batch(n):
+        with batch_described(n):  # the cross-decoder's smaller batch, to vLLM's graph dispatch
             out, cross_residual = self.cross_decoder(self.cross_positions[:n], self.cross_hidden[:n],
                                                      self.cross_residual[:n])
         result = hidden_states.clone()
@@ -438,19 +431,6 @@ class HySparse2Model(nn.Module):
         residual = residual.clone()
         residual[rows[:count]] = cross_residual[:count]
         return result, residual, tapped
-
-
-@contextlib.contextmanager
-def _cross_decoder_batch(num_tokens: int):
-    """Describe the cross-decoder's smaller batch to vLLM's graph dispatch while it runs."""
-    context = get_forward_context()
-    saved = context.batch_descriptor
-    if saved is not None:
-        context.batch_descriptor = dataclasses.replace(saved, num_tokens=num_tokens, num_reqs=None, uniform=False)
-    try:
-        yield
-    finally:
-        context.batch_descriptor = saved
 
 
 def map_bridge_names(quant_config: QuantizationConfig | None, config: HySparse2Config) -> None:

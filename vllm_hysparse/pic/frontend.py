@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """PIC request validation and prefix-cache separation in vLLM's frontend (SPEC §4).
 
-`install_pic_frontend()` wraps vLLM 0.32's `InputProcessor.process_inputs`,
-the one place that sees both a request's sampling params and its prompt
-token ids (offline `LLM`/`LLMEngine` and the OpenAI server's `AsyncLLM` alike).
+`install_pic_frontend()` hooks vLLM 0.32's input processor (through
+`vllm_hysparse.vllm_glue.input_processor`), the one place that sees both a
+request's sampling params and its prompt token ids (offline
+`LLM`/`LLMEngine` and the OpenAI server's `AsyncLLM` alike).
 For HySparse / HySparse2 models it
 
 * parses `SamplingParams.extra_args` with `parse_layout`, turning a
@@ -104,24 +105,16 @@ def check_pic_request(request, executes: bool = True) -> PICLayout | None:
     return layout
 
 
+def pic_request_check(vllm_config):
+    """This engine's check of each processed request: `check_pic_request` for HySparse models, else None."""
+    if not is_pic_model(vllm_config.model_config):
+        return None
+    executes = pic_executes(vllm_config)
+    return lambda request: check_pic_request(request, executes)
+
+
 def install_pic_frontend() -> None:
-    """Wrap `InputProcessor.process_inputs` with `check_pic_request` for HySparse models. Idempotent."""
-    from vllm.v1.engine.input_processor import InputProcessor
+    """Run `check_pic_request` on every request vLLM's input processor makes for HySparse models. Idempotent."""
+    from vllm_hysparse.vllm_glue.input_processor import wrap_process_inputs
 
-    original = InputProcessor.process_inputs
-    if getattr(original, _HOOK_FLAG, False):
-        return
-
-    def process_inputs(self, *args, **kwargs):
-        request = original(self, *args, **kwargs)
-        pic = self.__dict__.get("_hysparse_pic")
-        if pic is None:
-            pic = self.__dict__["_hysparse_pic"] = (is_pic_model(self.model_config), pic_executes(self.vllm_config))
-        if pic[0]:
-            check_pic_request(request, pic[1])
-        return request
-
-    process_inputs.__wrapped__ = original
-    process_inputs.__doc__ = original.__doc__
-    setattr(process_inputs, _HOOK_FLAG, True)
-    InputProcessor.process_inputs = process_inputs
+    wrap_process_inputs(_HOOK_FLAG, pic_request_check)

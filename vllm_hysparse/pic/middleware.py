@@ -17,9 +17,8 @@ Malformed text requests get a 400 JSON error (vLLM's `ErrorResponse`) naming
 the field.
 
 Installation needs no flag: `install_pic_middleware()` (run from the plugin's
-`register()`) wraps `init_entrypoints_middleware` as
-`vllm.entrypoints.launchers.app.build_app` sees it and adds the middleware
-first, so it is the innermost one: it runs after vLLM's
+`register()`) has `vllm_hysparse.vllm_glue.launcher` add the middleware to
+every API server app before vLLM's own, so it is the innermost one: it runs after vLLM's
 `AuthenticationMiddleware` (`--api-key`), CORS, and the rest. It can also be
 given as `--middleware vllm_hysparse.pic.middleware.PICTextMiddleware`
 (vLLM puts such middleware outside the authentication one); then, and in any
@@ -31,11 +30,18 @@ mentions `pic_text_segments`.
 """
 
 import json
-import sys
 
 from vllm_hysparse.pic.client import TEXT_SEGMENTS_FIELD, pic_prompt
 from vllm_hysparse.pic.frontend import is_pic_model
 from vllm_hysparse.pic.layout import SEGMENTS_FIELD
+from vllm_hysparse.vllm_glue.launcher import (
+    add_api_server_middleware,
+    request_authorized,
+    served_state,
+    served_tokenizer,
+    served_vllm_config,
+    validation_error_response,
+)
 
 COMPLETIONS_PATH = "/v1/completions"
 _HOOK_FLAG = "_hysparse_pic_middleware"
@@ -87,26 +93,6 @@ def rewrite_text_request(data, tokenizer, max_model_len: int | None = None) -> d
     return {**data, "prompt": ids, "vllm_xargs": {**rest, SEGMENTS_FIELD: lengths}}
 
 
-def _error_response(exc: PICTextError):
-    from starlette.responses import JSONResponse
-    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
-    from vllm.exceptions import VLLMValidationError
-
-    err = create_error_response(VLLMValidationError(str(exc), parameter=exc.field))
-    return JSONResponse(content=err.model_dump(), status_code=err.error.code)
-
-
-def _authorized(scope, state) -> bool:
-    """vLLM's own API-key check (`AuthenticationMiddleware.verify_token`), or True without `--api-key`."""
-    from starlette.datastructures import Headers
-    from vllm import envs
-    from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
-
-    args = getattr(state, "args", None)
-    tokens = [k for k in (getattr(args, "api_key", None) or [envs.VLLM_API_KEY]) if k]
-    return not tokens or AuthenticationMiddleware(None, tokens).verify_token(Headers(scope=scope))
-
-
 class PICTextMiddleware:
     """Pure ASGI middleware: `vllm_xargs.pic_text_segments` -> token-id prompt and `pic_segments`."""
 
@@ -119,12 +105,11 @@ class PICTextMiddleware:
             return None
         if scope["path"].removeprefix(scope.get("root_path", "")) != COMPLETIONS_PATH:
             return None
-        app = scope.get("app")
-        state = getattr(app, "state", None)
-        vllm_config = getattr(state, "vllm_config", None)
+        state = served_state(scope)
+        vllm_config = served_vllm_config(state)
         if vllm_config is None or not is_pic_model(vllm_config.model_config):
             return None
-        if not _authorized(scope, state):
+        if not request_authorized(scope, state):
             return None  # vLLM's authentication answers it
         return state
 
@@ -148,11 +133,11 @@ class PICTextMiddleware:
             try:
                 import anyio
 
-                tokenizer = state.engine_client.renderer.get_tokenizer()
-                max_len = getattr(state.vllm_config.model_config, "max_model_len", None)
+                tokenizer = served_tokenizer(state)
+                max_len = getattr(served_vllm_config(state).model_config, "max_model_len", None)
                 new = await anyio.to_thread.run_sync(rewrite_text_request, data, tokenizer, max_len)
             except PICTextError as e:
-                return await _error_response(e)(scope, receive, send)
+                return await validation_error_response(str(e), e.field)(scope, receive, send)
             if new is not None:
                 try:
                     body = json.dumps(new).encode()
@@ -185,19 +170,4 @@ def install_pic_middleware() -> None:
     (`vllm serve` has by the time plugins load); elsewhere (engine core,
     workers, offline `LLM`) it does nothing and imports nothing.
     """
-    app_module = sys.modules.get("vllm.entrypoints.launchers.app")
-    if app_module is None:
-        return
-    original = app_module.init_entrypoints_middleware
-    if getattr(original, _HOOK_FLAG, False):
-        return
-
-    def init_entrypoints_middleware(args, app, supported_tasks):
-        if "generate" in supported_tasks:
-            # Added before vLLM's own middleware, so it is the innermost: after authentication.
-            app.add_middleware(PICTextMiddleware)
-        return original(args, app, supported_tasks)
-
-    init_entrypoints_middleware.__wrapped__ = original
-    setattr(init_entrypoints_middleware, _HOOK_FLAG, True)
-    app_module.init_entrypoints_middleware = init_entrypoints_middleware
+    add_api_server_middleware(_HOOK_FLAG, PICTextMiddleware, task="generate")

@@ -19,21 +19,30 @@ here, around the model call of each step that holds spliced rows:
 
 All of it is eager Python between compiled model calls, with the forward
 context swapped for each call (the attention ops read it at run time); a
-step without spliced rows calls the model exactly as vLLM does.
+step without spliced rows calls the model exactly as vLLM does. What of it
+touches vLLM's runner, layers or forward context goes through
+`vllm_hysparse.vllm_glue` (`runner`, `forward_context`).
 """
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from vllm.forward_context import get_forward_context, override_forward_context
 from vllm.logger import init_logger
-from vllm.v1.attention.backend import CommonAttentionMetadata
 
+from vllm_hysparse.metrics import worker_stats
 from vllm_hysparse.pic.layout import POOL_SALT_FIELD, PICError, PICLayout, parse_layout
 from vllm_hysparse.pic.rotation import rotate_by
-from vllm_hysparse.metrics import worker_stats
 from vllm_hysparse.pic.store import SegmentStore, model_fingerprint, segment_key
+from vllm_hysparse.vllm_glue import forward_context
+from vllm_hysparse.vllm_glue.runner import (
+    attention_layers,
+    build_attention_metadata,
+    step_block_tables,
+    swapped_kv_caches,
+    wrap_kv_cache_update,
+    write_kv_unobserved,
+)
 
 logger = init_logger("vllm.hysparse")
 
@@ -75,17 +84,12 @@ class KVTap:
         self.capture: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
 
     def install(self, layer, name: str) -> None:
-        impl = layer.impl
-        original = impl.do_kv_cache_update
-
-        def do_kv_cache_update(layer_, key, value, kv_cache, slot_mapping):
+        def record(key, value, slot_mapping):
             if self.capture is not None:
                 n = slot_mapping.shape[0]
                 self.capture.setdefault(name, []).append((key[:n].clone(), value[:n].clone()))
-            return original(layer_, key, value, kv_cache, slot_mapping)
 
-        impl.do_kv_cache_update = do_kv_cache_update
-        impl.pic_original_kv_update = original
+        wrap_kv_cache_update(layer, record)
 
 
 class PICEngine:
@@ -109,7 +113,7 @@ class PICEngine:
         if self._ready:
             return
         model = runner.get_model()
-        layers = runner.compilation_config.static_forward_context
+        layers = attention_layers(runner)
         for name, layer in layers.items():
             if getattr(layer, "kv_sharing_target_layer_name", None) is None and hasattr(layer, "impl"):
                 self.kv_layers[name] = layer
@@ -220,14 +224,15 @@ class PICEngine:
         self._count(plan.stats)
         return hidden
 
-    def _call_model(self, runner, context, input_ids, positions, inputs_embeds, model_kwargs):
-        with override_forward_context(context):
+    def _call_model(self, runner, metadata, slots, input_ids, positions, inputs_embeds, model_kwargs):
+        """Run the model on a virtual batch: this step's forward context with `metadata` and `slots` instead."""
+        with forward_context.overridden(metadata, slots):
             return runner.model(input_ids=input_ids, positions=positions, intermediate_tensors=None,
                                 inputs_embeds=inputs_embeds, **model_kwargs)
 
     def _splice(self, plan: StepPlan, positions: torch.Tensor) -> None:
         """Write every spliced row's stored K/V (K rotated to its new start) into its slots, layer by layer."""
-        context = get_forward_context()
+        step_slots = forward_context.slot_mapping()
         rows = torch.from_numpy(np.concatenate([s.rows for s in plan.splices])).to(positions.device)
         starts = torch.from_numpy(np.concatenate([np.full(len(s.rows), s.start) for s in plan.splices]))
         starts = starts.to(positions.device, positions.dtype)
@@ -246,8 +251,7 @@ class PICEngine:
             rope = self.ropes[name]
             if rope is not None:
                 k = rotate_by(rope, k.reshape(k.shape[0], -1), starts[take]).view(k.shape)
-            slots = context.slot_mapping[name][rows[take]]
-            layer.impl.pic_original_kv_update(layer, k, v, layer.kv_cache, slots)
+            write_kv_unobserved(layer, k, v, step_slots[name][rows[take]])
 
     def _recompute_pass(self, runner, plan, rows, input_ids, positions, inputs_embeds, model_kwargs):
         num_reqs = runner.input_batch.num_reqs
@@ -265,7 +269,6 @@ class PICEngine:
                 v_req.append(i)
                 v_start.append(run[0])
                 v_end.append(run[-1] + 1)
-        context = get_forward_context()
         n = int(keep.sum())
         if n == 0:  # every row of this step is spliced: no layer runs at all
             return positions.new_zeros((positions.shape[0], runner.model_config.get_hidden_size()),
@@ -284,54 +287,15 @@ class PICEngine:
         logits = logits[logits >= 0]
         if len(logits) == 0:  # every request's last row is spliced; the cross-decoder still needs one row
             logits = np.array([n - 1])
-        metadata, slots = self._metadata(runner, context, v_req, v_qsl, seq_lens, rows, positions[rows], logits,
-                                         block_tables=None, max_logits=int(drafts.max(initial=0)) + 1)
-        sub = replace(context, attn_metadata=metadata, slot_mapping=slots)
+        tables = step_block_tables(runner, v_req, rows, forward_context.slot_mapping())
+        metadata, slots = build_attention_metadata(runner, v_qsl, seq_lens, positions[rows], tables, logits,
+                                                   max_logits=int(drafts.max(initial=0)) + 1)
         ids = input_ids[rows] if input_ids is not None else None
         embeds = inputs_embeds[rows] if inputs_embeds is not None else None
-        out = self._call_model(runner, sub, ids, positions[rows], embeds, model_kwargs)
+        out = self._call_model(runner, metadata, slots, ids, positions[rows], embeds, model_kwargs)
         full = out.new_zeros((positions.shape[0], out.shape[-1]))  # rows past `keep` are padding
         full[rows] = out
         return full
-
-    def _metadata(self, runner, context, v_req, v_qsl, seq_lens, rows, positions, logits, block_tables,
-                  max_logits: int = 1):
-        """Attention metadata and slot mappings of a virtual batch, for every KV cache group's builders.
-
-        `logits` are the batch rows whose logits are sampled, at most `max_logits` of them per virtual request.
-        `block_tables` maps a group id to `[num_virtual, pages]` (the isolated pass's scratch pages); None
-        takes each virtual request's rows of the request's own block table, and its slots from this step's.
-        """
-        device = positions.device
-        num_v = len(v_req)
-        qsl_cpu = torch.from_numpy(np.asarray(v_qsl, dtype=np.int32))
-        seq_cpu = torch.from_numpy(np.asarray(seq_lens, dtype=np.int32))
-        req_index = torch.as_tensor(v_req, dtype=torch.long, device=device)
-        metadata, slot_by_layer = {}, {}
-        for gid, group in enumerate(runner.kv_cache_config.kv_cache_groups):
-            if block_tables is None:
-                table = runner.input_batch.block_table[gid].get_device_tensor(runner.input_batch.num_reqs)
-                table = table.index_select(0, req_index)
-                slot = context.slot_mapping[group.layer_names[0]][rows]
-            else:
-                table, slot = block_tables[gid]
-            cm = CommonAttentionMetadata(
-                query_start_loc=qsl_cpu.to(device), query_start_loc_cpu=qsl_cpu, seq_lens=seq_cpu.to(device),
-                seq_lens_cpu_upper_bound=seq_cpu, num_reqs=num_v, num_actual_tokens=int(v_qsl[-1]),
-                max_query_len=int(np.diff(v_qsl).max()), max_seq_len=int(seq_cpu.max()), block_table_tensor=table,
-                slot_mapping=slot, causal=True, positions=positions,
-                is_prefilling=torch.ones(num_v, dtype=torch.bool))
-            if runner.cache_config.kv_sharing_fast_prefill:
-                cm.logits_indices_padded = torch.as_tensor(logits, dtype=torch.int64, device=device)
-                cm.num_logits_indices = len(logits)
-                cm.max_logits_per_req = max_logits
-            for attn_group in runner.attn_groups[gid]:
-                built = attn_group.build_metadata(cm)
-                for name in attn_group.layer_names:
-                    metadata[name] = built
-            for name in group.layer_names:
-                slot_by_layer[name] = slot
-        return metadata, slot_by_layer
 
     # ---- isolated pass ------------------------------------------------------------------------------
     def _scratch_caches(self, pages: int) -> dict[str, torch.Tensor]:
@@ -348,7 +312,6 @@ class PICEngine:
         return self._scratch
 
     def _isolated_pass(self, runner, plan: StepPlan, ids_dtype: torch.dtype, pos_dtype: torch.dtype) -> None:
-        context = get_forward_context()
         budget = runner.scheduler_config.max_num_batched_tokens
         groups = runner.kv_cache_config.kv_cache_groups
         block = groups[0].kv_cache_spec.block_size
@@ -378,18 +341,14 @@ class PICEngine:
         if current:
             passes.append(current)
         captured = {key: {} for key, _ in segments}
-        swapped = {}
-        for name, layer in context.no_compile_layers.items():
+        caches = {}
+        for name, layer in forward_context.attention_layers().items():
             owner = name if name in scratch else getattr(layer, "kv_sharing_target_layer_name", None)
             if owner in scratch:  # KV-sharing layers read their target's scratch
-                swapped[layer] = layer.kv_cache
-                layer.kv_cache = scratch[owner]
-        try:
+                caches[layer] = scratch[owner]
+        with swapped_kv_caches(caches):
             for pieces in passes:
-                self._run_isolated(runner, context, plan, pieces, base, block, captured, ids_dtype, pos_dtype)
-        finally:
-            for layer, cache in swapped.items():
-                layer.kv_cache = cache
+                self._run_isolated(runner, plan, pieces, base, block, captured, ids_dtype, pos_dtype)
         for key, (ids, pool, rids) in segments:
             kv = {name: self._stored_rows(name, torch.cat([k for k, _ in parts]), torch.cat([v for _, v in parts]))
                   for name, parts in captured[key].items()}
@@ -410,7 +369,7 @@ class PICEngine:
         first = 0 if window is None else max(0, k.shape[0] - (window - 1))
         return k[first:].clone(), v[first:].clone(), first
 
-    def _run_isolated(self, runner, context, plan, pieces, base, block, captured, ids_dtype, pos_dtype) -> None:
+    def _run_isolated(self, runner, plan, pieces, base, block, captured, ids_dtype, pos_dtype) -> None:
         device = runner.device
         pos = np.concatenate([np.arange(lo, hi) for _, lo, hi in pieces])
         ids = torch.as_tensor(np.concatenate([np.asarray(plan.cold[k][0][lo:hi]) for k, lo, hi in pieces]),
@@ -428,12 +387,10 @@ class PICEngine:
         positions = torch.as_tensor(pos, dtype=pos_dtype, device=device)
         tables = {gid: (table.to(device), slot) for gid in range(len(runner.kv_cache_config.kv_cache_groups))}
         logits = v_qsl[1:] - 1
-        metadata, slots = self._metadata(runner, context, list(range(len(pieces))), v_qsl, seq_lens, None,
-                                         positions, logits, block_tables=tables)
-        sub = replace(context, attn_metadata=metadata, slot_mapping=slots)
+        metadata, slots = build_attention_metadata(runner, v_qsl, seq_lens, positions, tables, logits)
         self.tap.capture = {}
         try:
-            self._call_model(runner, sub, ids, positions, None, {})
+            self._call_model(runner, metadata, slots, ids, positions, None, {})
             taken = self.tap.capture
         finally:
             self.tap.capture = None
@@ -471,7 +428,7 @@ class PICRunnerMixin:
     def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None,
                        **model_kwargs):
         engine = self._pic()
-        plan = engine.plan(self) if intermediate_tensors is None and get_forward_context().attn_metadata else None
+        plan = engine.plan(self) if intermediate_tensors is None and forward_context.attn_metadata() else None
         if plan is None:
             return super()._model_forward(input_ids=input_ids, positions=positions,
                                           intermediate_tensors=intermediate_tensors, inputs_embeds=inputs_embeds,

@@ -9,29 +9,12 @@ vLLM's own; only its model runner gains `PICRunnerMixin`.
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from vllm_hysparse.pic.runner import PICRunnerMixin
+from vllm_hysparse.vllm_glue.runner import ensure_intermediate_tensors, mix_into_runner
 
 
 def enable_pic(runner) -> None:
     """Give a model runner instance the PIC mixin (once)."""
-    cls = type(runner)
-    if not issubclass(cls, PICRunnerMixin):
-        runner.__class__ = type(f"PIC{cls.__name__}", (PICRunnerMixin, cls), {})
-
-
-def allocate_intermediate_tensors(runner) -> None:
-    """The receive buffers of a later pipeline stage, as vLLM's dummy run would allocate them.
-
-    vLLM 0.32's CPU worker runs no dummy forward in eager mode (its warm-up
-    returns early without compilation), so on a stage other than the first the
-    runner's `intermediate_tensors` stays None and the first step fails an
-    assertion in `sync_and_gather_intermediate_tensors`.
-    """
-    from vllm.distributed.parallel_state import get_pp_group
-
-    if get_pp_group().is_first_rank or runner.intermediate_tensors is not None:
-        return
-    runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
-        batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device)
+    mix_into_runner(runner, PICRunnerMixin)
 
 
 class HySparseCPUWorker(CPUWorker):
@@ -41,7 +24,7 @@ class HySparseCPUWorker(CPUWorker):
 
     def compile_or_warm_up_model(self):
         times = super().compile_or_warm_up_model()
-        allocate_intermediate_tensors(self.model_runner)
+        ensure_intermediate_tensors(self.model_runner)
         return times
 
     def get_supported_kv_cache_layouts(self) -> list[str]:
