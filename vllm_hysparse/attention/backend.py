@@ -46,7 +46,7 @@ from typing import ClassVar
 
 import torch
 from vllm.platforms import current_platform
-from vllm.utils.torch_utils import is_quantized_kv_cache
+from vllm.v1.kv_cache_interface import is_quantized_kv_cache  # (0.32 and 0.33; vllm.utils.torch_utils in 0.32 only)
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
