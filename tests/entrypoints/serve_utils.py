@@ -19,7 +19,8 @@ VLLM = str(Path(sys.executable).parent / "vllm")
 # VLLM_ENABLE_V1_MULTIPROCESSING=0: the server still runs its engine core in a process of its own (vLLM's async
 # client always does), but the worker runs inside it (vllm/platforms/cpu.py keeps the "uni" executor), one process
 # start less per server. `USER_TOPOLOGY` restores vLLM's own layout (API server, engine core, worker) where a test
-# needs it: the fault tests kill the worker, and test_serve starts one server exactly as a user would.
+# needs it: the fault tests kill the worker, the security test counts each process's listeners, and test_serve
+# starts one server exactly as a user would.
 SERVE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
              "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 USER_TOPOLOGY = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
