@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """PIC requests in the real engine: generate with layouts, the worker's PIC counters, prompts from parts."""
 
-from tests.vllm_utils import TOP_LOGPROBS, Completion
+from tests.vllm_utils import IN_PROCESS_ENGINES, TOP_LOGPROBS, Completion, reference_greedy
 from vllm_hysparse.pic.layout import PICLayout
+from vllm_hysparse.reference.pic import pic_greedy
 
 MAX_TOKENS = 6
 
@@ -28,6 +29,12 @@ def generate(llm, prompts: list[list[int]], layouts: list[PICLayout | None], max
 
 
 def state(llm) -> dict:
+    """The worker's PIC counters and store statistics, after it has released what finished requests pinned."""
+    if llm in IN_PROCESS_ENGINES:
+        # An in-process engine core steps only inside `generate`, so the worker hears that the last requests finished
+        # (and releases their pins) at the next step: one plain 1-token request is that step. Plain requests leave
+        # the PIC counters alone (`PICEngine.plan` returns before counting when no PIC request is active).
+        generate(llm, [[0]], [None], max_tokens=1)
     return llm.collective_rpc(pic_state)[0]
 
 
@@ -37,3 +44,16 @@ def delta(after: dict, before: dict) -> dict:
 
 def assemble(parts: list[list[int]], seam: int) -> tuple[list[int], PICLayout]:
     return [t for p in parts for t in p], PICLayout(tuple(len(p) for p in parts), seam)
+
+
+def reference_pic(model, prompts, layouts, max_tokens=MAX_TOKENS) -> list[Completion]:
+    """The HF reference's greedy completions: PIC prompts assembled from isolated segment caches (SPEC §4), plain
+    prompts (layout None) prefilled as usual."""
+    out = []
+    for p, lay in zip(prompts, layouts):
+        if lay is None:
+            out.extend(reference_greedy(model, [p], max_tokens))
+        else:
+            r = pic_greedy(model, p, lay, max_tokens)
+            out.append(Completion(r.token_ids, r.logprobs))
+    return out

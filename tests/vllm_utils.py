@@ -71,12 +71,15 @@ def _in_process(args: dict) -> bool:
             and args.get("pipeline_parallel_size", 1) == 1)
 
 
-def make_llm(model_dir, own_process: bool = False, **kwargs):
+def make_llm(model_dir, own_process: bool = False, inductor: bool = True, **kwargs):
     """`LLM(model_dir, float32, ...)`; `own_process`: keep the engine core in a process of its own.
 
+    `inductor=False` (a compiled engine): dynamo still traces the model into vLLM's graph, with guards dropped as
+    always on CPU, but the graph runs as traced instead of through inductor (vLLM's VLLM_CPU_CI_ENV,
+    vllm/platforms/cpu.py): a cold start 66 s instead of 100. The tests about inductor's code keep it.
+
     An in-process engine core steps only inside `generate`, so the worker learns that the last requests
-    finished at the next call; tests that check what finished requests release (PIC pins) need the
-    engine core's own loop.
+    finished at the next call (`tests.pic_utils.state` makes that call before it reads the PIC pins).
     """
     import vllm.envs
     from vllm import LLM
@@ -93,7 +96,9 @@ def make_llm(model_dir, own_process: bool = False, **kwargs):
 
         args["distributed_executor_backend"] = UniProcExecutor
     if own_process or not _in_process(args):
-        with timed_start("offline"):
+        with pytest.MonkeyPatch.context() as mp, timed_start("offline"):
+            if not inductor and not args.get("enforce_eager"):
+                mp.setenv("VLLM_CPU_CI_ENV", "1")  # read in the engine core's process, which inherits it
             return LLM(**args)
     try:
         with pytest.MonkeyPatch.context() as mp, timed_start("offline in-process"):

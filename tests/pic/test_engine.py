@@ -5,7 +5,9 @@ The reference (`vllm_hysparse.reference.pic`) assembles each prompt from
 isolated segment caches in the HF model; the engine splices stored K/V into
 vLLM's pages and runs its layers on the recomputed rows only. Engines run
 with 64-token steps, so every prompt here is prefilled in chunks that start
-and end inside segments and seams, and with vLLM's prefix caching on.
+and end inside segments and seams, and with vLLM's prefix caching on. One
+engine per architecture serves every test here; the engines of their own
+(compiled, a tiny store, a small KV cache) are in `test_engine_limits.py`.
 """
 
 import pytest
@@ -13,32 +15,18 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import vllm_hysparse  # noqa: F401
-from tests.pic_utils import assemble, delta, generate, state
+from tests.pic_utils import assemble, delta, generate, reference_pic, state
 from tests.vllm_utils import (
-    Completion,
     check_logprobs_close,
-    env_without,
     make_llm,
     random_prompts,
     reference_greedy,
     shutdown,
 )
-from vllm_hysparse.reference.pic import pic_greedy
 from vllm_hysparse.tools.make_checkpoint import write_checkpoint
 
 MAX_TOKENS = 6
 ARCHS = {"hysparse": {}, "hysparse2": {}, "hysparse2-rope": {"full_rope": True}}
-
-
-def reference_pic(model, prompts, layouts, max_tokens=MAX_TOKENS):
-    out = []
-    for p, lay in zip(prompts, layouts):
-        if lay is None:
-            out.extend(reference_greedy(model, [p], max_tokens))
-        else:
-            r = pic_greedy(model, p, lay, max_tokens)
-            out.append(Completion(r.token_ids, r.logprobs))
-    return out
 
 
 @pytest.fixture(scope="module", params=list(ARCHS))
@@ -59,8 +47,7 @@ def reference(ckpt):
 
 @pytest.fixture(scope="module")
 def llm(ckpt):
-    engine = make_llm(ckpt, own_process=True, enforce_eager=True, block_size=32, max_num_batched_tokens=64,
-                      max_num_seqs=8)
+    engine = make_llm(ckpt, enforce_eager=True, block_size=32, max_num_batched_tokens=64, max_num_seqs=8)
     yield engine
     shutdown(engine)
 
@@ -155,65 +142,3 @@ def test_store_reports_entries_and_bytes(llm, ckpt):
     s = state(llm)
     assert s["public_entries"] > 0 and s["public_bytes"] > 0
     assert s["private_entries"] == 0 and s["in_use"] == 0
-
-
-@pytest.fixture(scope="module")
-def hysparse_ckpt(tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp("hs-extra") / "tiny", "hysparse", "tiny", seed=8)
-
-
-@pytest.fixture(scope="module")
-def hysparse_ref(hysparse_ckpt):
-    return AutoModelForCausalLM.from_pretrained(hysparse_ckpt, dtype=torch.float32).eval()
-
-
-def _rag_prompts(vocab: int, seam: int):
-    parts = random_prompts([16, 60, 80, 40, 10], vocab, seed=31)
-    prefix, a, b, c, q = parts
-    layouts = [[prefix, a, b, q], [prefix, b, c, a, q], [q, c, a, q], [prefix, a, c, b, q]]
-    return zip(*[assemble(p, seam) for p in layouts])
-
-
-def test_compiled_engine_matches_reference(hysparse_ckpt, hysparse_ref):
-    prompts, layouts = _rag_prompts(hysparse_ref.config.vocab_size, seam=4)
-    llm = make_llm(hysparse_ckpt, max_num_batched_tokens=128)
-    try:
-        got = generate(llm, list(prompts), list(layouts))
-    finally:
-        shutdown(llm)
-    check_logprobs_close(reference_pic(hysparse_ref, prompts, layouts), got, min_matched=1.0)
-
-
-def test_tiny_store_budget_evicts_and_stays_correct(hysparse_ckpt, hysparse_ref, monkeypatch):
-    monkeypatch.setenv("VLLM_HYSPARSE_PIC_PUBLIC_MB", "0.05")  # about one segment of the tiny preset
-    prompts, layouts = _rag_prompts(hysparse_ref.config.vocab_size, seam=2)
-    llm = make_llm(hysparse_ckpt, own_process=True, enforce_eager=True, block_size=32, max_num_batched_tokens=64,
-                   max_num_seqs=1)
-    try:
-        got = generate(llm, list(prompts), list(layouts))
-        s = state(llm)
-    finally:
-        shutdown(llm)
-    assert s["public_evictions"] > 0 and s["public_bytes"] <= 0.05 * 2**20
-    assert s["segments_cold"] > 3  # evicted documents come back cold
-    check_logprobs_close(reference_pic(hysparse_ref, prompts, layouts), got, min_matched=1.0)
-
-
-def test_preemption_during_pic_requests(hysparse_ckpt, hysparse_ref):
-    prefix, a, b, c, q = random_prompts([16, 40, 54, 54, 10], hysparse_ref.config.vocab_size, seed=41)
-    parts = [[prefix, a, b, q], [prefix, b, a, q], [q, c, a, prefix], [prefix, a, c, q]]
-    prompts, layouts = zip(*[assemble(p, seam=4) for p in parts])
-    # As in the model tests: about 27 pages of 32 tokens cannot hold four requests growing from 120 to 190.
-    with env_without("VLLM_CPU_KVCACHE_SPACE"):
-        llm = make_llm(hysparse_ckpt, own_process=True, enforce_eager=True, block_size=32,
-                       kv_cache_memory_bytes=10 * 32 * 2048 * 3, max_model_len=256, max_num_batched_tokens=64,
-                       disable_log_stats=False)
-    try:
-        got = generate(llm, list(prompts), list(layouts), max_tokens=70)
-        preempted = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
-        s = state(llm)
-    finally:
-        shutdown(llm)
-    assert preempted > 0, "the small KV cache should have forced preemption"
-    assert s["in_use"] == 0
-    check_logprobs_close(reference_pic(hysparse_ref, prompts, layouts, max_tokens=70), got)
