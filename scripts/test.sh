@@ -30,7 +30,8 @@ fi
 # on one core (imports, compilation, Python-side scheduling), so the engine suite runs on TEST_WORKERS
 # pytest-xdist workers, a test file per worker at a time (`--dist loadfile`: a module's engines and servers
 # stay in one process and its tests keep their order; files that share a server run on one worker, by the table
-# in tests/conftest.py).
+# in tests/conftest.py). Files go out longest first, by tests/durations.json (tests/conftest.py orders them;
+# `--no-loadscope-reorder` keeps xdist from reordering them by test count).
 LOGS="$(mktemp -d "${TMPDIR:-/tmp}/hysparse-tests.XXXXXX")"
 trap 'rm -rf "$LOGS"' EXIT
 "$PY" -m pytest tests/kernels --junitxml="$LOGS/kernels.xml" "${ARGS[@]}" >"$LOGS/kernels.log" 2>&1 &
@@ -39,7 +40,7 @@ KERNELS=$!
 AOT=$!
 WORKERS="${TEST_WORKERS:-2}"
 XDIST=()
-[[ "$WORKERS" == 0 ]] || XDIST=(-n "$WORKERS" --dist loadfile)
+[[ "$WORKERS" == 0 ]] || XDIST=(-n "$WORKERS" --dist loadfile --no-loadscope-reorder)
 status=0
 "$PY" -m pytest tests --ignore=tests/kernels --ignore=tests/kernels_aot "${XDIST[@]}" --durations=25 \
     --junitxml="$LOGS/engine.xml" "${ARGS[@]}" || status=$?

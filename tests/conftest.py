@@ -15,8 +15,10 @@
 """
 
 import collections
+import json
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -86,7 +88,30 @@ def pytest_make_collect_report(collector):
         report.longrepr = f"module skipped under {STRICT_SKIPS_ENV}=1: {reason}"
 
 
+# Seconds per test file in the last measured CI run (scripts/test_durations.py writes it); a file not in it counts
+# as this many seconds.
+DURATIONS = Path(__file__).with_name("durations.json")
+UNKNOWN_FILE_SECONDS = 60
+
+
+def longest_files_first(items: list) -> None:
+    """Reorders `items` in place: whole files, longest first (stable within a file). pytest-xdist's loadfile
+    scheduler hands files out in collection order (scripts/test.sh turns its own reordering off), so the long files
+    start first and the short ones fill the gaps at the end."""
+    seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    first: dict[str, int] = {}
+    for i, item in enumerate(items):
+        first.setdefault(item.nodeid.split("::", 1)[0], i)
+
+    def key(item) -> tuple[int, int]:
+        path = item.nodeid.split("::", 1)[0]
+        return -seconds.get(path, UNKNOWN_FILE_SECONDS), first[path]
+
+    items.sort(key=key)
+
+
 def pytest_collection_modifyitems(config, items):
+    longest_files_first(items)
     if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         return
     others = sorted({i.nodeid.split("::", 1)[0] for i in items if not i.nodeid.startswith("tests/kernels/")})
@@ -190,3 +215,24 @@ def pytest_terminal_summary(terminalreporter):
                                     f"`vllm serve` started by a test's own Popen is not timed):")
         for row, s in seconds.most_common():
             terminalreporter.write_line(f"  {s:7.1f} s  {n[row]:3d} x  {row}")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """`tiny_model(arch, seed)` -> (checkpoint dir, its HF reference model in float32, eval mode): the `tiny` preset
+    written once per session (per xdist worker) and seed, and loaded once, for every test file that uses it."""
+    cache: dict[tuple[str, int], tuple] = {}
+
+    def get(arch: str, seed: int):
+        if (arch, seed) not in cache:
+            import torch
+            from transformers import AutoModelForCausalLM
+
+            import vllm_hysparse  # noqa: F401  (registers the configs with transformers)
+            from vllm_hysparse.tools.make_checkpoint import write_checkpoint
+
+            ckpt = write_checkpoint(tmp_path_factory.mktemp(f"{arch}-seed{seed}") / "tiny", arch, "tiny", seed=seed)
+            cache[arch, seed] = ckpt, AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+        return cache[arch, seed]
+
+    return get

@@ -9,7 +9,6 @@ and sparse blocks differ too.
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 import vllm_hysparse  # noqa: F401
 from tests.vllm_utils import (
@@ -22,20 +21,19 @@ from tests.vllm_utils import (
     shutdown,
     vllm_greedy,
 )
-from vllm_hysparse.tools.make_checkpoint import write_checkpoint
 
 BOUNDARY_LENGTHS = [1, 15, 16, 17, 31, 32, 33, 47, 64, 65, 150, 400]
 MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp("hysparse") / "tiny", "hysparse", "tiny", seed=11)
+def ckpt(tiny_model):
+    return tiny_model("hysparse", 11)[0]
 
 
 @pytest.fixture(scope="module")
-def reference(ckpt):
-    return AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+def reference(tiny_model):
+    return tiny_model("hysparse", 11)[1]
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +46,7 @@ def expected(reference, prompts):
     return reference_greedy(reference, prompts, MAX_TOKENS)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")
 def eager_llm(ckpt):
     # 64-token steps: the long prompts are prefilled in chunks, batched with the
     # decodes of the short ones.
@@ -62,69 +60,68 @@ def _counter(llm, name: str) -> float:
     return sum(m.value for m in llm.get_metrics() if m.name == name)
 
 
-def test_greedy_matches_reference_with_chunked_prefill(eager_llm, prompts, expected):
-    check_logprobs_close(expected, vllm_greedy(eager_llm, prompts, MAX_TOKENS))
+class TestEagerEngine:
+    """One eager engine for these tests, shut down before the engines of the tests below start (one in-process
+    engine at a time)."""
 
+    def test_greedy_matches_reference_with_chunked_prefill(self, eager_llm, prompts, expected):
+        check_logprobs_close(expected, vllm_greedy(eager_llm, prompts, MAX_TOKENS))
 
-def test_prefix_cache_hits_match_reference(eager_llm, reference, prompts):
-    long_prompt = prompts[-1]
-    shared = [long_prompt, long_prompt, long_prompt[:250] + prompts[-2][:60]]
-    before = _counter(eager_llm, "vllm:prefix_cache_hits")
-    got = [vllm_greedy(eager_llm, [p], MAX_TOKENS)[0] for p in shared]
-    assert _counter(eager_llm, "vllm:prefix_cache_hits") - before >= 2 * 224, "expected prefix-cache hits"
-    check_logprobs_close(reference_greedy(reference, shared, MAX_TOKENS), got)
+    def test_prefix_cache_hits_match_reference(self, eager_llm, reference, prompts):
+        long_prompt = prompts[-1]
+        shared = [long_prompt, long_prompt, long_prompt[:250] + prompts[-2][:60]]
+        before = _counter(eager_llm, "vllm:prefix_cache_hits")
+        got = [vllm_greedy(eager_llm, [p], MAX_TOKENS)[0] for p in shared]
+        assert _counter(eager_llm, "vllm:prefix_cache_hits") - before >= 2 * 224, "expected prefix-cache hits"
+        check_logprobs_close(reference_greedy(reference, shared, MAX_TOKENS), got)
 
+    def test_many_concurrent_requests(self, eager_llm, reference):
+        many = random_prompts([int(n) for n in torch.randint(1, 200, (24,), generator=torch.Generator().manual_seed(5))],
+                              reference.config.vocab_size, seed=2)
+        check_logprobs_close(reference_greedy(reference, many, 4), vllm_greedy(eager_llm, many, 4))
 
-def test_many_concurrent_requests(eager_llm, reference):
-    many = random_prompts([int(n) for n in torch.randint(1, 200, (24,), generator=torch.Generator().manual_seed(5))],
-                          reference.config.vocab_size, seed=2)
-    check_logprobs_close(reference_greedy(reference, many, 4), vllm_greedy(eager_llm, many, 4))
+    def test_prompt_over_max_model_len_is_rejected_and_engine_keeps_serving(self, eager_llm, prompts, expected):
+        from vllm.exceptions import VLLMValidationError
 
+        with pytest.raises(VLLMValidationError, match="maximum context length is 1024 tokens"):
+            vllm_greedy(eager_llm, [[100] * 1100], 2)
+        check_logprobs_close(expected[:3], vllm_greedy(eager_llm, prompts[:3], MAX_TOKENS))
 
-def test_prompt_over_max_model_len_is_rejected_and_engine_keeps_serving(eager_llm, prompts, expected):
-    from vllm.exceptions import VLLMValidationError
+    def test_kv_cache_matches_spec(self, eager_llm, reference):
+        """SPEC §3.4: only full layers own full-length KV; sparse layers share it; SWA caches are windowed."""
+        cfg = reference.config
+        layout = eager_llm.collective_rpc(kv_cache_layout)[0]
+        full = [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"]
+        sparse = [i for i, t in enumerate(cfg.layer_types) if t == "sparse_attention"]
+        oracle = {i: max(f for f in full if f < i) for i in sparse}
+        assert layout["shared"] == {f"model.layers.{i}.self_attn.attn": f"model.layers.{oracle[i]}.self_attn.attn"
+                                    for i in sparse}
+        full_groups = [g for g in layout["groups"] if g["type"] == "FullAttentionSpec"]
+        owners = {n for g in full_groups for n in g["layers"]} - set(layout["shared"])
+        assert owners == {f"model.layers.{i}.self_attn.attn" for i in full}
+        windowed = [g for g in layout["groups"] if g["type"] == "SlidingWindowSpec"]
+        assert {n for g in windowed for n in g["layers"]} == {f"model.layers.{i}.self_attn.swa_attn" for i in sparse}
+        assert all(g["sliding_window"] == cfg.swa_window for g in windowed)
+        # Bytes one token of context costs in the full-length caches (float32 K and V).
+        per_layer = 2 * cfg.num_key_value_heads * cfg.head_dim * 4
+        allocated = sum(g["page_size_bytes"] // g["block_size"] * (len(set(g["layers"]) - set(layout["shared"])))
+                        for g in full_groups)
+        assert allocated == per_layer * len(full)
+        # One shared pool: every block is a page of every layer of a group, so the pool holds
+        # num_blocks * block_size tokens of full-length context in the configured 1 GiB.
+        pool_tokens = layout["num_blocks"] * full_groups[0]["block_size"]
+        assert pool_tokens == (1 << 30) // allocated
 
-    with pytest.raises(VLLMValidationError, match="maximum context length is 1024 tokens"):
-        vllm_greedy(eager_llm, [[100] * 1100], 2)
-    check_logprobs_close(expected[:3], vllm_greedy(eager_llm, prompts[:3], MAX_TOKENS))
-
-
-def test_kv_cache_matches_spec(eager_llm, reference):
-    """SPEC §3.4: only full layers own full-length KV; sparse layers share it; SWA caches are windowed."""
-    cfg = reference.config
-    layout = eager_llm.collective_rpc(kv_cache_layout)[0]
-    full = [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"]
-    sparse = [i for i, t in enumerate(cfg.layer_types) if t == "sparse_attention"]
-    oracle = {i: max(f for f in full if f < i) for i in sparse}
-    assert layout["shared"] == {f"model.layers.{i}.self_attn.attn": f"model.layers.{oracle[i]}.self_attn.attn"
-                                for i in sparse}
-    full_groups = [g for g in layout["groups"] if g["type"] == "FullAttentionSpec"]
-    owners = {n for g in full_groups for n in g["layers"]} - set(layout["shared"])
-    assert owners == {f"model.layers.{i}.self_attn.attn" for i in full}
-    windowed = [g for g in layout["groups"] if g["type"] == "SlidingWindowSpec"]
-    assert {n for g in windowed for n in g["layers"]} == {f"model.layers.{i}.self_attn.swa_attn" for i in sparse}
-    assert all(g["sliding_window"] == cfg.swa_window for g in windowed)
-    # Bytes one token of context costs in the full-length caches (float32 K and V).
-    per_layer = 2 * cfg.num_key_value_heads * cfg.head_dim * 4
-    allocated = sum(g["page_size_bytes"] // g["block_size"] * (len(set(g["layers"]) - set(layout["shared"])))
-                    for g in full_groups)
-    assert allocated == per_layer * len(full)
-    # One shared pool: every block is a page of every layer of a group, so the pool holds
-    # num_blocks * block_size tokens of full-length context in the configured 1 GiB.
-    pool_tokens = layout["num_blocks"] * full_groups[0]["block_size"]
-    assert pool_tokens == (1 << 30) // allocated
-
-
-def test_compiled_matches_eager_and_reference(ckpt, eager_llm, prompts, expected):
-    # Default compilation (trace once, inductor) and vLLM's default CPU page size.
-    llm = make_llm(ckpt)
-    try:
-        compiled = vllm_greedy(llm, prompts, MAX_TOKENS)
-    finally:
-        shutdown(llm)
-    check_logprobs_close(expected, compiled)
-    eager = vllm_greedy(eager_llm, prompts, MAX_TOKENS)
-    assert [c.token_ids for c in compiled] == [e.token_ids for e in eager]
+    def test_compiled_matches_eager_and_reference(self, ckpt, eager_llm, prompts, expected):
+        # Default compilation (trace once, inductor) and vLLM's default CPU page size.
+        llm = make_llm(ckpt)
+        try:
+            compiled = vllm_greedy(llm, prompts, MAX_TOKENS)
+        finally:
+            shutdown(llm)
+        check_logprobs_close(expected, compiled)
+        eager = vllm_greedy(eager_llm, prompts, MAX_TOKENS)
+        assert [c.token_ids for c in compiled] == [e.token_ids for e in eager]
 
 
 def test_preemption_matches_reference(ckpt, reference):

@@ -43,6 +43,9 @@ def expected(reference, prompts):
 
 @pytest.fixture(scope="module")
 def llm(ckpt):
+    # Compiled with inductor, as served: vLLM's fused-MoE custom op traced into the graph. Not dynamo-only
+    # (`make_llm(inductor=False)`): that engine core dies at its first forward with "free(): invalid size" in vLLM
+    # 0.32's CPU MoE path (seen 2026-12-03; it skips the warm-up), and `LLM.generate` then waits forever.
     llm = make_llm(ckpt, block_size=32, max_num_batched_tokens=64, max_num_seqs=16)
     yield llm
     shutdown(llm)

@@ -3,23 +3,20 @@
 about one segment, and with a KV cache small enough to preempt PIC requests mid-prefill."""
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 import vllm_hysparse  # noqa: F401
 from tests.pic_utils import assemble, generate, reference_pic, state
 from tests.vllm_utils import check_logprobs_close, env_without, make_llm, random_prompts, shutdown
-from vllm_hysparse.tools.make_checkpoint import write_checkpoint
 
 
 @pytest.fixture(scope="module")
-def hysparse_ckpt(tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp("hs-extra") / "tiny", "hysparse", "tiny", seed=8)
+def hysparse_ckpt(tiny_model):
+    return tiny_model("hysparse", 8)[0]
 
 
 @pytest.fixture(scope="module")
-def hysparse_ref(hysparse_ckpt):
-    return AutoModelForCausalLM.from_pretrained(hysparse_ckpt, dtype=torch.float32).eval()
+def hysparse_ref(tiny_model):
+    return tiny_model("hysparse", 8)[1]
 
 
 def _rag_prompts(vocab: int, seam: int):
