@@ -27,7 +27,7 @@ CASES = {
 
 
 def test_expert_parallel_size_must_divide_experts():
-    from vllm_hysparse.models.common import check_expert_parallel
+    from vllm_hysparse.models.layers import check_expert_parallel
 
     check_expert_parallel(8, SimpleNamespace(use_ep=True, ep_size=4), on_cpu=False)
     check_expert_parallel(8, SimpleNamespace(use_ep=False, ep_size=3), on_cpu=True)
@@ -40,7 +40,7 @@ def test_expert_parallel_size_must_divide_experts():
 def test_expert_parallel_is_refused_on_cpu():
     """vLLM's CPU MoE kernel ignores the expert map and crashes under EP (seen: a segfault in
     cpu_fused_moe at TP=2 with enable_expert_parallel); we refuse it with one line instead."""
-    from vllm_hysparse.models.common import check_expert_parallel
+    from vllm_hysparse.models.layers import check_expert_parallel
 
     with pytest.raises(ValueError) as info:
         check_expert_parallel(8, SimpleNamespace(use_ep=True, ep_size=2), on_cpu=True)

@@ -16,7 +16,7 @@ from csrc_triton.oracle.batched import oracle_attention_batched
 from csrc_triton.token_oracle.batched import token_oracle_attention_batched
 from tests.kernel_utils import make_paged_batch, nan_like
 from vllm_hysparse.configs.base import kv_report, tensor_parallel_heads
-from vllm_hysparse.models.common import HeadSplit
+from vllm_hysparse.models.tp_heads import HeadSplit
 from vllm_hysparse.tools.make_checkpoint import build_config
 
 # (H, G, tp): MQA over two ranks (HySparse2's presets), and two groups over four ranks.

@@ -5,7 +5,7 @@ The tiny presets with q/k head dim 64 and v head dim 32, on both
 architectures. One engine per architecture (the module fixture is
 parametrised, so only one runs at a time). Every cache is our backend's and
 stores K and V at their own widths: vLLM 0.32's CPU backend cannot
-(`vllm_hysparse.models.common.window_attention` says why, and why padding V
+(`vllm_hysparse.models.layers.window_attention` says why, and why padding V
 would cost the full-length caches too), so the test also checks the bytes
 vLLM allocated per token.
 """

@@ -265,7 +265,7 @@ def kv_bytes_per_layer(config: HySparseBaseConfig, dtype_bytes: int, tp: int = 1
     """Bytes one token costs in one cache of one rank: K at `head_dim` and V at `v_head_dim` per KV head (SPEC §2.6).
 
     Every cache stores both at their own widths, window caches too (see
-    `vllm_hysparse.models.common.window_attention`), so this holds for all of them.
+    `vllm_hysparse.models.layers.window_attention`), so this holds for all of them.
     Under tensor parallelism a rank stores its `max(1, G / tp)` KV heads.
     """
     return tensor_parallel_heads(config, tp)[1] * (config.head_dim + config.v_head_dim) * dtype_bytes

@@ -7,6 +7,14 @@ oracle's top-k block ids into an index buffer. Each sparse layer owns **no**
 full-length cache: its global branch shares the full layer's cache (vLLM KV
 sharing) and reads that buffer; its SWA branch owns a window-bounded cache.
 The two branches are mixed with sigmoid gates.
+
+Follows vLLM's `vllm/model_executor/models/qwen3.py` (attention with optional
+per-head q/k RMSNorm, pre-norm decoder layer, `make_layers` model with pipeline
+stages, causal LM with a logits processor). It differs in: the sparse layers'
+two-branch attention (fused q / SWA-K/V projection, gates, sinks), the KV
+sharing of sparse layers with their block's full layer, the MoE MLP
+(`layers.SparseMoeBlock`, Qwen3-MoE style), and the strict loader
+(`loader.load_checked`) in place of `AutoWeightsLoader`.
 """
 
 from collections.abc import Iterable
@@ -37,14 +45,11 @@ from vllm.sequence import IntermediateTensors
 from vllm_hysparse.attention.backend import BlockSelection, HySparseAttentionBackend
 from vllm_hysparse.configs import HySparseConfig
 from vllm_hysparse.configs.tensors import layer_kind
-from vllm_hysparse.models.common import (
-    QKV_STACK,
-    HeadSplit,
+from vllm_hysparse.models.layers import (
     PreNormDecoderLayer,
     apply_gate,
     gate_width,
     head_norm,
-    load_checked,
     log_kv_report,
     make_lm_head,
     make_sinks,
@@ -54,6 +59,8 @@ from vllm_hysparse.models.common import (
     separate_v,
     window_attention,
 )
+from vllm_hysparse.models.loader import QKV_STACK, load_checked
+from vllm_hysparse.models.tp_heads import HeadSplit
 
 # HF module under `self_attn.` -> (vLLM parameter owner, shard id) of the fused projections.
 STACKS = {

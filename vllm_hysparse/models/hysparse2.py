@@ -15,6 +15,15 @@ KV-sharing fast prefill applies: with it (on by default, see
 `vllm_hysparse.models.config_hooks`) prompt tokens run the self-decoder and the bridge
 projections only, and the cross-decoder runs on the rows whose logits are
 needed (prefill early exit, exact by construction).
+
+Follows vLLM's `vllm/model_executor/models/gemma3n.py` for that early exit
+(`fast_prefill_forward`: the self-decoder on every token, the cross-decoder on
+the logits rows only, copied into static buffers first) and `qwen3.py` for the
+layers themselves. It differs from gemma3n in: the
+cross-decoder's K/V come from bridges projected off the self-decoder's residual
+stream rather than from the self-decoder's own caches, the sparse cross layers
+attend over per-query selected tokens, and there is no AltUp / per-layer
+embedding; from qwen3 as `hysparse.py` does (gates, sinks, MoE, strict loader).
 """
 
 from collections.abc import Iterable
@@ -46,14 +55,11 @@ from vllm_hysparse.attention.backend import HySparseAttentionBackend, TokenSelec
 from vllm_hysparse.attention.bridge import bridge_kv_write
 from vllm_hysparse.configs import HySparse2Config
 from vllm_hysparse.configs.tensors import layer_kind
-from vllm_hysparse.models.common import (
-    QKV_STACK,
-    HeadSplit,
+from vllm_hysparse.models.layers import (
     PreNormDecoderLayer,
     apply_gate,
     gate_width,
     head_norm,
-    load_checked,
     log_kv_report,
     make_lm_head,
     make_sinks,
@@ -64,6 +70,8 @@ from vllm_hysparse.models.common import (
     separate_v,
     window_attention,
 )
+from vllm_hysparse.models.loader import QKV_STACK, load_checked
+from vllm_hysparse.models.tp_heads import HeadSplit
 from vllm_hysparse.vllm_glue.forward_context import batch_described, fast_prefill_logits
 
 # HF module under `self_attn.` -> (vLLM parameter owner, shard id); bridged K/V live in `model.bridges`.
