@@ -25,8 +25,9 @@ from pathlib import Path
 
 import torch
 
-# Not VLLM_-prefixed: vLLM warns about every VLLM_* variable it does not know.
-METRICS_DIR_ENV = "HYSPARSE_METRICS_DIR"
+from vllm_hysparse import envs
+
+METRICS_DIR_ENV = envs.METRICS_DIR.name
 FIELDS = ("queries", "pages", "dense_pages")
 # PIC counters and store gauges, set on the host by the worker's PIC engine (`vllm_hysparse.pic.runner`).
 PIC_COUNTERS = ("segments_hit", "segments_cold", "tokens_reused", "tokens_recomputed")
@@ -40,7 +41,7 @@ _MAX_FILES = 4096
 logger = logging.getLogger("vllm.hysparse")
 
 
-METRICS_ENV = "VLLM_HYSPARSE_METRICS"
+METRICS_ENV = envs.METRICS.name
 
 
 def metrics_enabled() -> bool:

@@ -46,7 +46,6 @@ from typing import ClassVar
 
 import torch
 from vllm.platforms import current_platform
-from vllm.v1.kv_cache_interface import is_quantized_kv_cache  # (0.32 and 0.33; vllm.utils.torch_utils in 0.32 only)
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
@@ -56,16 +55,18 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
     MultipleOf,
 )
+from vllm.v1.kv_cache_interface import is_quantized_kv_cache  # (0.32 and 0.33; vllm.utils.torch_utils in 0.32 only)
 
 from csrc_triton import cpu_ext
 from csrc_triton.paged_args import FP8_KV_DTYPE
 from csrc_triton.paged_batch import BatchPlan, make_plan
+from vllm_hysparse import envs
 from vllm_hysparse.attention.paged import split_kv_cache, write_kv
 from vllm_hysparse.metrics import worker_stats
 from vllm_hysparse.vllm_glue.forward_context import attention_layer
 
 BACKEND_NAME = "HYSPARSE"
-KERNELS_ENV = "VLLM_HYSPARSE_KERNELS"
+KERNELS_ENV = envs.KERNELS.name
 KERNEL_PATHS = ("triton", "torch")
 # vLLM's names of an e4m3 cache ("fp8" is "fp8_e4m3", vllm/utils/torch_utils.py); e5m2 is not supported.
 FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")

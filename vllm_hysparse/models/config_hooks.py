@@ -5,13 +5,12 @@ import os
 
 from vllm.logger import init_logger
 
+from vllm_hysparse import envs
 from vllm_hysparse.vllm_glue.engine_config import V2_RUNNER_ENV, choose_default_worker, switch_to_v1_model_runner
 
 logger = init_logger("vllm.hysparse")
 
-# `VLLM_HYSPARSE2_EARLY_EXIT=0` runs the cross-decoder on every prompt token, which
-# also allows requests for prompt logprobs.
-EARLY_EXIT_ENV = "VLLM_HYSPARSE2_EARLY_EXIT"
+EARLY_EXIT_ENV = envs.EARLY_EXIT.name
 
 
 def early_exit_enabled() -> bool:

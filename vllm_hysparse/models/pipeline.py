@@ -18,7 +18,9 @@ layer writes in the same forward pass. So every layer `i` in
 
 from vllm.distributed.utils import get_pp_indices
 
-PARTITION_ENV = "VLLM_PP_LAYER_PARTITION"
+from vllm_hysparse import envs
+
+PARTITION_ENV = envs.PP_LAYER_PARTITION.name
 
 
 def stage_ranges(num_layers: int, pp_size: int) -> list[tuple[int, int]]:

@@ -24,9 +24,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from vllm_hysparse import envs
+
 POOLS = ("public", "private")
-BUDGET_ENVS = {"public": "VLLM_HYSPARSE_PIC_PUBLIC_MB", "private": "VLLM_HYSPARSE_PIC_PRIVATE_MB"}
-DEFAULT_BUDGET_MB = {"public": 1024, "private": 256}
+BUDGET_ENVS = {"public": envs.PIC_PUBLIC_MB.name, "private": envs.PIC_PRIVATE_MB.name}
+DEFAULT_BUDGET_MB = {"public": int(envs.PIC_PUBLIC_MB.default), "private": int(envs.PIC_PRIVATE_MB.default)}
 
 
 def segment_key(token_ids, fingerprint: str, salt: str | None = None) -> str:

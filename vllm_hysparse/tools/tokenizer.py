@@ -14,6 +14,8 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
+from vllm_hysparse import envs
+
 BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [BOS, EOS, PAD, IM_START, IM_END]
@@ -51,7 +53,7 @@ def _cache_path(vocab_size: int, files: list[Path]) -> Path:
     key = hashlib.sha256(f"{vocab_size}|".encode())
     for f in files:
         key.update(f"{f.name}:{f.stat().st_size};".encode())
-    root = Path(os.environ.get("VLLM_HYSPARSE_CACHE", Path.home() / ".cache" / "vllm_hysparse"))
+    root = Path(os.environ.get(envs.CACHE.name, Path.home() / ".cache" / "vllm_hysparse"))
     return root / f"bpe-{vocab_size}-{key.hexdigest()[:16]}.json"
 
 

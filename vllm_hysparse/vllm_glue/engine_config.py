@@ -3,8 +3,10 @@
 
 import os
 
+from vllm_hysparse import envs
+
 # vLLM's switch between its model runners (vllm/envs.py); unset, vLLM picks V2 wherever Triton sees a GPU.
-V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+V2_RUNNER_ENV = envs.V2_RUNNER.name
 
 
 def switch_to_v1_model_runner() -> None:
