@@ -41,6 +41,8 @@ RESULTS_DIR = BENCH_DIR / "results"
 sys.path.insert(0, str(BENCH_DIR))  # prefill_flops.py next to this file, however the script is started
 from prefill_flops import flops_table, paper_ratio  # noqa: E402
 
+from vllm_hysparse.tools.demo_client import wait_until_healthy  # noqa: E402
+
 MODELS = ("dense", "hysparse", "hysparse2", "hysparse2-noexit")
 EARLY_EXIT_ENV = "VLLM_HYSPARSE2_EARLY_EXIT"
 # name -> checkpoint directory under --checkpoints, extra server environment (None: removed), label
@@ -290,20 +292,6 @@ def http_get(url: str, timeout: float = 10) -> str:
         return r.read().decode()
 
 
-def wait_healthy(root_url: str, proc: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vllm serve exited with code {proc.returncode} before becoming healthy")
-        try:
-            if http_get(f"{root_url}/health", timeout=5) is not None:
-                return
-        except OSError:
-            pass
-        time.sleep(2)
-    raise TimeoutError(f"vllm serve at {root_url} not healthy within {timeout_s:.0f} s")
-
-
 def warm_up(root_url: str, model: str, timeout_s: float) -> None:
     """One short request so the first measured run does not pay for first-call setup."""
     body = json.dumps({"model": model, "prompt": "def f(x):\n    return", "max_tokens": 4,
@@ -322,7 +310,7 @@ def running_server(cmd: list[str], env: dict, log_path: Path, start_timeout_s: f
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
-        wait_healthy(root_url, proc, start_timeout_s)
+        wait_until_healthy(root_url, start_timeout_s, proc=proc, poll_s=2.0)
         yield proc, root_url
     finally:
         stop_server(proc, stop_timeout_s)

@@ -6,7 +6,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import httpx
 
 import tests.vllm_utils  # noqa: F401  (CPU engine environment, before vLLM starts)
 from vllm_hysparse.metrics import METRICS_DIR_ENV
+from vllm_hysparse.tools.demo_client import wait_until_healthy
 
 VLLM = str(Path(sys.executable).parent / "vllm")
 # VLLM_ENABLE_V1_MULTIPROCESSING=0: the server still runs its engine core in a process of its own (vLLM's async
@@ -90,23 +90,6 @@ class Server:
                 self.proc.wait(30)
 
 
-def _wait_healthy(server: Server, timeout_s: float) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.proc.poll() is not None:
-            raise RuntimeError(f"vllm serve exited with {server.proc.returncode}:\n{server.log_tail()}")
-        try:
-            with urllib.request.urlopen(f"{server.root}/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise TimeoutError(f"vllm serve did not become healthy within {timeout_s:.0f} s:\n{server.log_tail()}")
-
-
 @contextlib.contextmanager
 def serve(ckpt, log: Path, *args: str, api_key: str | None = None, env: dict | None = None,
           start_timeout_s: float = 300):
@@ -121,7 +104,7 @@ def serve(ckpt, log: Path, *args: str, api_key: str | None = None, env: dict | N
             with open(log, "w") as out:
                 proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=server_env(env))
             server = Server(proc, port, log, api_key)
-            _wait_healthy(server, start_timeout_s)
+            wait_until_healthy(server.root, start_timeout_s, proc=proc, log_tail=server.log_tail)
         yield server
     finally:
         if server is not None:
