@@ -15,6 +15,9 @@ done
 bash scripts/setup_env.sh
 VENV="${VENV:-.venv}"
 PY="$VENV/bin/python"
+# This checkout's own bytecode (seconds; setup_env.sh compiles the installed packages): every test, engine and server
+# process imports these modules, and with PYTHONDONTWRITEBYTECODE set none of them would write it.
+"$PY" -m compileall -q -j 0 vllm_hysparse csrc_triton tests benchmarks >/dev/null 2>&1 || true
 if [[ "$BENCH" == 1 ]]; then
     # Engine tests, then the AOT builds in a process of their own (never tests/kernels: its conftest sets
     # TRITON_INTERPRET for the process).
