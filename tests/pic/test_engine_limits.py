@@ -10,13 +10,9 @@ from tests.vllm_utils import check_logprobs_close, env_without, make_llm, random
 
 
 @pytest.fixture(scope="module")
-def hysparse_ckpt(tiny_model):
-    return tiny_model("hysparse", 8)[0]
-
-
-@pytest.fixture(scope="module")
-def hysparse_ref(tiny_model):
-    return tiny_model("hysparse", 8)[1]
+def hysparse(tiny_model):
+    """(checkpoint, HF reference) of the tiny HySparse model that all three engines serve."""
+    return tiny_model("hysparse", 8)
 
 
 def _rag_prompts(vocab: int, seam: int):
@@ -26,7 +22,8 @@ def _rag_prompts(vocab: int, seam: int):
     return zip(*[assemble(p, seam) for p in layouts])
 
 
-def test_compiled_engine_matches_reference(hysparse_ckpt, hysparse_ref):
+def test_compiled_engine_matches_reference(hysparse):
+    hysparse_ckpt, hysparse_ref = hysparse
     prompts, layouts = _rag_prompts(hysparse_ref.config.vocab_size, seam=4)
     # Compiled as dynamo traces it with guards dropped (the CPU build's hazard: data-dependent Python frozen into the
     # graph); inductor's own code generation is covered by tests/models/test_hysparse.py.
@@ -38,7 +35,8 @@ def test_compiled_engine_matches_reference(hysparse_ckpt, hysparse_ref):
     check_logprobs_close(reference_pic(hysparse_ref, prompts, layouts), got, min_matched=1.0)
 
 
-def test_tiny_store_budget_evicts_and_stays_correct(hysparse_ckpt, hysparse_ref, monkeypatch):
+def test_tiny_store_budget_evicts_and_stays_correct(hysparse, monkeypatch):
+    hysparse_ckpt, hysparse_ref = hysparse
     monkeypatch.setenv("VLLM_HYSPARSE_PIC_PUBLIC_MB", "0.05")  # about one segment of the tiny preset
     prompts, layouts = _rag_prompts(hysparse_ref.config.vocab_size, seam=2)
     llm = make_llm(hysparse_ckpt, enforce_eager=True, block_size=32, max_num_batched_tokens=64, max_num_seqs=1)
@@ -52,7 +50,8 @@ def test_tiny_store_budget_evicts_and_stays_correct(hysparse_ckpt, hysparse_ref,
     check_logprobs_close(reference_pic(hysparse_ref, prompts, layouts), got, min_matched=1.0)
 
 
-def test_preemption_during_pic_requests(hysparse_ckpt, hysparse_ref):
+def test_preemption_during_pic_requests(hysparse):
+    hysparse_ckpt, hysparse_ref = hysparse
     prefix, a, b, c, q = random_prompts([16, 40, 54, 54, 10], hysparse_ref.config.vocab_size, seed=41)
     parts = [[prefix, a, b, q], [prefix, b, a, q], [q, c, a, prefix], [prefix, a, c, q]]
     prompts, layouts = zip(*[assemble(p, seam=4) for p in parts])
