@@ -31,7 +31,7 @@ from tests.vllm_utils import (
     vllm_greedy,
 )
 from vllm_hysparse.configs.tensors import layer_kind
-from vllm_hysparse.models import common, hysparse, hysparse2
+from vllm_hysparse.models import hysparse, hysparse2, loader
 from vllm_hysparse.tools.make_checkpoint import build_config, write_checkpoint
 from vllm_hysparse.tools.quantize import dequantize_weight, quantize_activation, quantize_checkpoint
 
@@ -54,7 +54,7 @@ IGNORED_VLLM = {
 def fused_tables(module) -> dict[str, list[str]]:
     """vLLM fused module name -> its checkpoint modules in shard order, from the loader's stack tables."""
     shards: dict[str, dict] = {}
-    tables = [*module.STACKS.values(), common.MLP_STACK, common.SHARED_EXPERT_STACK]
+    tables = [*module.STACKS.values(), loader.MLP_STACK, loader.SHARED_EXPERT_STACK]
     for table in tables:
         for hf_module, (owner, shard) in table.items():
             if shard is not None:
@@ -81,8 +81,8 @@ def _prefixes(arch: str, config) -> dict[str, list[str]]:
     out = {}
     for i in range(config.num_hidden_layers):
         kind = layer_kind(config, i)
-        for table in (module.STACKS.get(kind, {}), common.MLP_STACK):
-            group = "self_attn" if table is not common.MLP_STACK else "mlp"
+        for table in (module.STACKS.get(kind, {}), loader.MLP_STACK):
+            group = "self_attn" if table is not loader.MLP_STACK else "mlp"
             for hf_module, (owner, shard) in table.items():
                 if shard is not None:
                     out.setdefault(owner.format(i=i), []).append(f"model.layers.{i}.{group}.{hf_module}")
