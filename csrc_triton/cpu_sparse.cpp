@@ -7,8 +7,11 @@
 // the row's own are skipped. The work of a row is O(selected keys), whatever the context length,
 // which neither the masked dense path nor gathering copies can give a prefill.
 
-#include <torch/extension.h>
+// ATen and op registration only, not torch/extension.h: see cpu_ext.py.
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
 
 #include "cpu_online_softmax.h"
 
@@ -81,15 +84,15 @@ void sparse_tasks(const SparseProblem& pb, int64_t dim_rt, int64_t begin, int64_
 
 // q [N, H, D], kv [pages, G, page, 2D] float32; reqs, pos [N] int64; ids [N, G, W] int32 (-1 padded);
 // sinks [H] float32 or an empty tensor. Returns out [N, H, D].
-torch::Tensor paged_sparse(torch::Tensor q, torch::Tensor kv, torch::Tensor block_table, torch::Tensor reqs,
-                           torch::Tensor pos, torch::Tensor ids, int64_t span, double scale, torch::Tensor sinks) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32, "q: expected [N, H, D] float32");
-  TORCH_CHECK(kv.dim() == 4 && kv.scalar_type() == torch::kFloat32 && kv.stride(3) == 1,
+at::Tensor paged_sparse(at::Tensor q, at::Tensor kv, at::Tensor block_table, at::Tensor reqs,
+                           at::Tensor pos, at::Tensor ids, int64_t span, double scale, at::Tensor sinks) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "q: expected [N, H, D] float32");
+  TORCH_CHECK(kv.dim() == 4 && kv.scalar_type() == at::kFloat && kv.stride(3) == 1,
               "kv: expected [pages, G, page, 2D] float32 with a contiguous last dim");
-  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && block_table.stride(1) == 1,
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.stride(1) == 1,
               "block_table: expected int32 with contiguous rows");
-  TORCH_CHECK(reqs.scalar_type() == torch::kLong && pos.scalar_type() == torch::kLong, "reqs, pos: int64");
-  TORCH_CHECK(ids.dim() == 3 && ids.scalar_type() == torch::kInt32, "ids: expected [N, G, W] int32");
+  TORCH_CHECK(reqs.scalar_type() == at::kLong && pos.scalar_type() == at::kLong, "reqs, pos: int64");
+  TORCH_CHECK(ids.dim() == 3 && ids.scalar_type() == at::kInt, "ids: expected [N, G, W] int32");
   TORCH_CHECK(span >= 1, "span must be positive");
   q = q.contiguous();
   reqs = reqs.contiguous();
@@ -100,10 +103,10 @@ torch::Tensor paged_sparse(torch::Tensor q, torch::Tensor kv, torch::Tensor bloc
               "inconsistent shapes of q, kv and ids");
   const bool has_sinks = sinks.numel() > 0;
   if (has_sinks) {
-    TORCH_CHECK(sinks.numel() == heads && sinks.scalar_type() == torch::kFloat32, "sinks: expected [H] float32");
+    TORCH_CHECK(sinks.numel() == heads && sinks.scalar_type() == at::kFloat, "sinks: expected [H] float32");
     sinks = sinks.contiguous();
   }
-  auto out = torch::empty({n, heads, dim}, q.options());
+  auto out = at::empty({n, heads, dim}, q.options());
   const SparseProblem pb{q.data_ptr<float>(), kv.data_ptr<float>(), block_table.data_ptr<int32_t>(),
                          reqs.data_ptr<int64_t>(), pos.data_ptr<int64_t>(), ids.data_ptr<int32_t>(),
                          has_sinks ? sinks.data_ptr<float>() : nullptr, out.data_ptr<float>(), heads, groups,
@@ -122,6 +125,10 @@ torch::Tensor paged_sparse(torch::Tensor q, torch::Tensor kv, torch::Tensor bloc
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_sparse", &paged_sparse, "Sparse sink attention of each row over its selected runs of the paged cache");
+TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
+  // Sparse sink attention of each row over its selected runs of the paged cache.
+  m.def("paged_sparse(Tensor q, Tensor kv, Tensor block_table, Tensor reqs, Tensor pos, Tensor ids, int span, "
+        "float scale, Tensor sinks) -> Tensor");
 }
+
+TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) { m.impl("paged_sparse", &paged_sparse); }

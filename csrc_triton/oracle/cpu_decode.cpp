@@ -7,8 +7,11 @@
 // copy every page of the context, which costs more than the attention itself. Work is split
 // over (row, KV group) pairs.
 
-#include <torch/extension.h>
+// ATen and op registration only, not torch/extension.h: see cpu_ext.py.
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
 
 #include "../cpu_online_softmax.h"
 
@@ -69,14 +72,14 @@ void decode_tasks(const Problem& pb, int64_t dim_rt, int64_t begin, int64_t end)
 
 // q [N, H, D], kv [pages, G, page, 2D] (K then V in the last dim), float32.
 // Returns out [N, H, D], logits [N, H, max_len] (-inf past each row's length) and lse [N, H].
-std::vector<torch::Tensor> paged_decode(torch::Tensor q, torch::Tensor kv, torch::Tensor block_table,
-                                        torch::Tensor reqs, torch::Tensor lens, int64_t max_len, double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32, "q: expected [N, H, D] float32");
-  TORCH_CHECK(kv.dim() == 4 && kv.scalar_type() == torch::kFloat32, "kv: expected [pages, G, page, 2D] float32");
+std::vector<at::Tensor> paged_decode(at::Tensor q, at::Tensor kv, at::Tensor block_table,
+                                        at::Tensor reqs, at::Tensor lens, int64_t max_len, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "q: expected [N, H, D] float32");
+  TORCH_CHECK(kv.dim() == 4 && kv.scalar_type() == at::kFloat, "kv: expected [pages, G, page, 2D] float32");
   TORCH_CHECK(kv.stride(3) == 1, "kv: the last dim must be contiguous");
-  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && block_table.stride(1) == 1,
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.stride(1) == 1,
               "block_table: expected int32 with contiguous rows");
-  TORCH_CHECK(reqs.scalar_type() == torch::kLong && lens.scalar_type() == torch::kLong, "reqs, lens: int64");
+  TORCH_CHECK(reqs.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "reqs, lens: int64");
   q = q.contiguous();
   reqs = reqs.contiguous();
   lens = lens.contiguous();
@@ -84,9 +87,9 @@ std::vector<torch::Tensor> paged_decode(torch::Tensor q, torch::Tensor kv, torch
   const int64_t groups = kv.size(1);
   TORCH_CHECK(kv.size(3) == 2 * dim, "kv: last dim must be 2 * head dim");
   TORCH_CHECK(heads % groups == 0, "query heads must be a multiple of KV groups");
-  auto out = torch::empty({n, heads, dim}, q.options());
-  auto logits = torch::empty({n, heads, max_len}, q.options());
-  auto lse = torch::empty({n, heads}, q.options());
+  auto out = at::empty({n, heads, dim}, q.options());
+  auto logits = at::empty({n, heads, max_len}, q.options());
+  auto lse = at::empty({n, heads}, q.options());
   const Problem pb{q.data_ptr<float>(), kv.data_ptr<float>(), block_table.data_ptr<int32_t>(),
                    reqs.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(),
                    logits.data_ptr<float>(), lse.data_ptr<float>(), n, heads, groups, kv.size(2), max_len,
@@ -104,6 +107,10 @@ std::vector<torch::Tensor> paged_decode(torch::Tensor q, torch::Tensor kv, torch
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "Oracle decode attention over a paged cache, keeping the logits");
+TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
+  // Oracle decode attention over a paged cache, keeping the logits: (out, logits, lse).
+  m.def("paged_decode(Tensor q, Tensor kv, Tensor block_table, Tensor reqs, Tensor lens, int max_len, "
+        "float scale) -> Tensor[]");
 }
+
+TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) { m.impl("paged_decode", &paged_decode); }

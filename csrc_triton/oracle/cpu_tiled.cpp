@@ -14,8 +14,11 @@
 // Decode tiles have few query vectors, which would not repay the transpose: they dot each key
 // directly (FMAs over the head dim, one horizontal sum per key and head).
 
-#include <torch/extension.h>
+// ATen and op registration only, not torch/extension.h: see cpu_ext.py.
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -253,29 +256,29 @@ void run_all(const Problem& pb, const std::vector<Task>& tasks) {
 // reqs, pos [N] int64 (each row's request and position). Writes out [N, H, D] (contiguous float32),
 // ids [N, G, topk] int32 (contiguous last two dims; e.g. a view of the index buffer) and, when
 // `scores` is not empty, the block scores [N, G, n_scores] (0 past each row's visible blocks).
-void oracle_tiled(torch::Tensor q, torch::Tensor kv, torch::Tensor block_table, torch::Tensor reqs,
-                  torch::Tensor pos, int64_t block, int64_t topk, double scale, torch::Tensor out,
-                  torch::Tensor ids, torch::Tensor scores) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.stride(2) == 1 && q.stride(1) == q.size(2),
+void oracle_tiled(at::Tensor q, at::Tensor kv, at::Tensor block_table, at::Tensor reqs,
+                  at::Tensor pos, int64_t block, int64_t topk, double scale, at::Tensor out,
+                  at::Tensor ids, at::Tensor scores) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1 && q.stride(1) == q.size(2),
               "q: expected [N, H, D] float32 with contiguous heads");
-  TORCH_CHECK(kv.dim() == 4 && kv.scalar_type() == torch::kFloat32 && kv.stride(3) == 1,
+  TORCH_CHECK(kv.dim() == 4 && kv.scalar_type() == at::kFloat && kv.stride(3) == 1,
               "kv: expected [pages, G, page, 2D] float32 with a contiguous last dim");
-  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && block_table.stride(1) == 1,
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.stride(1) == 1,
               "block_table: expected int32 with contiguous rows");
-  TORCH_CHECK(reqs.scalar_type() == torch::kLong && pos.scalar_type() == torch::kLong && reqs.is_contiguous() &&
+  TORCH_CHECK(reqs.scalar_type() == at::kLong && pos.scalar_type() == at::kLong && reqs.is_contiguous() &&
                   pos.is_contiguous(), "reqs, pos: contiguous int64");
   const int64_t n = q.size(0), heads = q.size(1), dim = q.size(2), groups = kv.size(1);
   TORCH_CHECK(kv.size(3) == 2 * dim && heads % groups == 0, "inconsistent shapes of q and kv");
   TORCH_CHECK(reqs.size(0) == n && pos.size(0) == n, "reqs, pos: one entry per row");
   TORCH_CHECK(block >= 1 && topk >= 0, "block size must be positive, topk non-negative");
-  TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.is_contiguous() && out.size(0) == n &&
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == n &&
                   out.size(1) == heads && out.size(2) == dim, "out: expected contiguous [N, H, D] float32");
-  TORCH_CHECK(ids.scalar_type() == torch::kInt32 && ids.dim() == 3 && ids.size(0) == n && ids.size(1) == groups &&
+  TORCH_CHECK(ids.scalar_type() == at::kInt && ids.dim() == 3 && ids.size(0) == n && ids.size(1) == groups &&
                   ids.size(2) == topk && ids.stride(2) == 1 && ids.stride(1) == topk,
               "ids: expected [N, G, topk] int32 with contiguous (G, topk) dims");
   const bool has_scores = scores.numel() > 0;
   if (has_scores)
-    TORCH_CHECK(scores.scalar_type() == torch::kFloat32 && scores.is_contiguous() && scores.size(0) == n &&
+    TORCH_CHECK(scores.scalar_type() == at::kFloat && scores.is_contiguous() && scores.size(0) == n &&
                     scores.size(1) == groups, "scores: expected contiguous [N, G, NB] float32");
   const Problem pb{q.data_ptr<float>(), kv.data_ptr<float>(), block_table.data_ptr<int32_t>(),
                    reqs.data_ptr<int64_t>(), pos.data_ptr<int64_t>(), out.data_ptr<float>(), ids.data_ptr<int32_t>(),
@@ -300,14 +303,20 @@ void oracle_tiled(torch::Tensor q, torch::Tensor kv, torch::Tensor block_table, 
     HYSPARSE_DIM(16) HYSPARSE_DIM(32) HYSPARSE_DIM(48) HYSPARSE_DIM(64) HYSPARSE_DIM(80) HYSPARSE_DIM(96)
     HYSPARSE_DIM(112) HYSPARSE_DIM(128) HYSPARSE_DIM(160) HYSPARSE_DIM(192) HYSPARSE_DIM(256)
 #undef HYSPARSE_DIM
-    default: TORCH_CHECK(false, "oracle_tiled: head dim ", dim, " not compiled (see SUPPORTED_DIMS)");
+    default: TORCH_CHECK(false, "oracle_tiled: head dim ", dim, " not compiled (see supported_dims)");
   }
 }
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("oracle_tiled", &oracle_tiled,
-        "Oracle attention of every row over its request's pages, one tiled pass, top-k blocks of Eq. 3");
-  m.attr("SUPPORTED_DIMS") = std::vector<int64_t>{16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 256};
+static std::vector<int64_t> supported_dims() { return {16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 256}; }
+
+TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
+  // Oracle attention of every row over its request's pages, one tiled pass, top-k blocks of Eq. 3.
+  m.def("oracle_tiled(Tensor q, Tensor kv, Tensor block_table, Tensor reqs, Tensor pos, int block, int topk, "
+        "float scale, Tensor(a!) out, Tensor(b!) ids, Tensor(c!) scores) -> ()");
+  // The head dims the switch above compiles.
+  m.def("supported_dims() -> int[]", &supported_dims);
 }
+
+TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) { m.impl("oracle_tiled", &oracle_tiled); }
