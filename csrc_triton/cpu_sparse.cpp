@@ -14,6 +14,9 @@
 #include <torch/library.h>
 
 #include "cpu_online_softmax.h"
+#include "cpu_tile.h"
+
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -34,6 +37,22 @@ struct SparseProblem {
   int64_t heads, groups, page, width, span, s_page, s_group, s_tok, s_bt;
   float scale;
 };
+
+// out[row, h] = acc / (l + exp(sink - m)) in a stable form; a row with no key is 0, sink or not.
+inline void store_row(const SparseProblem& pb, int64_t row, int64_t h, int64_t dim, float m, float l, const float* acc) {
+  float* o = pb.out + (row * pb.heads + h) * dim;
+  float factor = 0.f;
+  if (l > 0.f) {
+    if (pb.sinks != nullptr) {
+      const float top = std::max(m, pb.sinks[h]);  // the sink joins the denominator
+      const float keep = std::exp(m - top);
+      factor = keep / (l * keep + std::exp(pb.sinks[h] - top));
+    } else {
+      factor = 1.f / l;
+    }
+  }
+  for (int64_t d = 0; d < dim; ++d) o[d] = acc[d] * factor;
+}
 
 template <int DIM>
 void sparse_tasks(const SparseProblem& pb, int64_t dim_rt, int64_t begin, int64_t end) {
@@ -64,22 +83,139 @@ void sparse_tasks(const SparseProblem& pb, int64_t dim_rt, int64_t begin, int64_
         first += count;
       }
     }
-    for (int64_t p = 0; p < per_group; ++p) {
-      const int64_t h = g * per_group + p;
-      float* o = pb.out + (row * pb.heads + h) * dim;
-      float factor = 0.f;  // a row with no key is 0, sink or not
-      if (l[p] > 0.f) {
-        if (pb.sinks != nullptr) {
-          const float top = std::max(m[p], pb.sinks[h]);  // the sink joins the denominator
-          const float keep = std::exp(m[p] - top);
-          factor = keep / (l[p] * keep + std::exp(pb.sinks[h] - top));
-        } else {
-          factor = 1.f / l[p];
-        }
+    for (int64_t p = 0; p < per_group; ++p) store_row(pb, row, g * per_group + p, dim, m[p], l[p], acc.data() + p * dim);
+  }
+}
+
+// Block-sparse rows in tiles (span >= MIN_TILED_SPAN): a task is up to TILE_ROWS consecutive rows of one request
+// and one KV group, whose query vectors (rows x the group's heads) walk the union of the rows' selected runs
+// KEYS keys at a time, as the tiled oracle walks a whole context. Consecutive prefill rows select mostly the
+// same blocks (all of them while the context fits the budget), so each key is loaded and transposed once for
+// the tile, and one FMA scores 8 keys; a row skips the runs it did not select. Selections must be distinct
+// within a row (the oracle's are).
+constexpr int64_t MIN_TILED_SPAN = 8;
+
+struct SparseTask {
+  int64_t row0, rows, group, cost;
+};
+
+template <int DIM>
+void sparse_tile(const SparseProblem& pb, const SparseTask& tk, std::vector<float>& buf, std::vector<uint32_t>& who) {
+  const int64_t per_group = pb.heads / pb.groups, nq = tk.rows * per_group;
+  int64_t last = 0;  // the tile's largest position
+  for (int64_t r = 0; r < tk.rows; ++r) last = std::max(last, pb.pos[tk.row0 + r]);
+  const int64_t nb = last / pb.span + 1;  // runs that hold a key visible to some row
+  // who[b]: bit r set when row r selected run b
+  who.assign(nb, 0u);
+  for (int64_t r = 0; r < tk.rows; ++r) {
+    const int64_t row = tk.row0 + r;
+    const int32_t* sel = pb.ids + (row * pb.groups + tk.group) * pb.width;
+    for (int64_t s = 0; s < pb.width; ++s)
+      if (sel[s] >= 0 && sel[s] * pb.span <= pb.pos[row]) who[sel[s]] |= 1u << r;
+  }
+  const size_t need = 2 * nq * DIM + DIM * KEYS + nq * KEYS + nq * DIM + 2 * nq;
+  if (buf.size() < need) buf.resize(need);
+  float* qs = buf.data();   // [nq, DIM] scaled queries
+  float* qc = qs + nq * DIM;  // [nq, DIM] the queries of the rows that selected the current run
+  float* kt = qc + nq * DIM;
+  float* s = kt + DIM * KEYS;
+  float* acc = s + nq * KEYS;
+  float* m = acc + nq * DIM;
+  float* l = m + nq;
+  int64_t act[TILE_ROWS * 64];  // query vectors of the rows that selected the current run (per_group <= 64)
+  const float* kp[KEYS];
+  const float* vp[KEYS];
+  for (int64_t r = 0; r < tk.rows; ++r) {
+    const float* src = pb.q + ((tk.row0 + r) * pb.heads + tk.group * per_group) * DIM;
+    for (int64_t i = 0; i < per_group * DIM; ++i) qs[r * per_group * DIM + i] = src[i] * pb.scale;
+  }
+  std::fill(acc, acc + nq * DIM, 0.f);
+  std::fill(m, m + nq, NEG_INF);
+  std::fill(l, l + nq, 0.f);
+  const int32_t* pages = pb.bt + pb.reqs[tk.row0] * pb.s_bt;
+  const float* base = pb.kv + tk.group * pb.s_group;
+  const uint32_t all = tk.rows == 32 ? ~0u : (1u << tk.rows) - 1;
+  for (int64_t b = 0; b < nb; ++b) {
+    if (who[b] == 0) continue;
+    const int64_t stop = std::min((b + 1) * pb.span, last + 1);
+    for (int64_t k0 = b * pb.span; k0 < stop; k0 += KEYS) {
+      const int64_t count = std::min(KEYS, stop - k0);
+      // the rows that selected this run and see at least its first key
+      uint32_t rows = who[b];
+      for (int64_t r = 0; r < tk.rows; ++r)
+        if (pb.pos[tk.row0 + r] < k0) rows &= ~(1u << r);
+      if (rows == 0) continue;
+      int64_t na = 0;
+      for (int64_t r = 0; r < tk.rows; ++r)
+        if (rows >> r & 1u)
+          for (int64_t p = 0; p < per_group; ++p) act[na++] = r * per_group + p;
+      const float* qa = qs;
+      if (rows != all) {  // compact the selecting rows' queries, so none is scored in vain
+        for (int64_t a = 0; a < na; ++a) std::copy(qs + act[a] * DIM, qs + (act[a] + 1) * DIM, qc + a * DIM);
+        qa = qc;
       }
-      for (int64_t d = 0; d < dim; ++d) o[d] = acc[p * dim + d] * factor;
+      for (int64_t j = 0; j < count; ++j) {
+        const int64_t t = k0 + j;
+        kp[j] = base + pages[t / pb.page] * pb.s_page + (t % pb.page) * pb.s_tok;
+        vp[j] = kp[j] + DIM;
+      }
+      if (na <= DIRECT_MAX) {
+        score_direct<DIM>(qa, na, kp, count, s);
+      } else {
+        for (int64_t j = 0; j < KEYS; ++j)
+          for (int d = 0; d < DIM; ++d) kt[d * KEYS + j] = j < count ? kp[j][d] : 0.f;
+        score_tiled<DIM>(qa, na, kt, s);
+      }
+      for (int64_t a = 0; a < na; ++a) {
+        const int64_t i = act[a];
+        const int64_t visible = std::min<int64_t>(count, pb.pos[tk.row0 + i / per_group] - k0 + 1);
+        float* si = s + a * KEYS;
+        float mt = m[i];
+        for (int64_t j = 0; j < visible; ++j) mt = std::max(mt, si[j]);
+        const float rescale = std::exp(m[i] - mt);  // 0 while nothing was seen (m = -inf)
+        float sum = 0.f;
+        for (int64_t j = 0; j < visible; ++j) {
+          si[j] = std::exp(si[j] - mt);
+          sum += si[j];
+        }
+        l[i] = l[i] * rescale + sum;
+        m[i] = mt;
+        float* ai = acc + i * DIM;
+        if (rescale != 1.f)
+          for (int d = 0; d < DIM; ++d) ai[d] *= rescale;
+        accumulate<DIM>(ai, si, vp, visible);
+      }
     }
   }
+  for (int64_t i = 0; i < nq; ++i) {
+    const int64_t row = tk.row0 + i / per_group, h = tk.group * per_group + i % per_group;
+    store_row(pb, row, h, DIM, m[i], l[i], acc + i * DIM);
+  }
+}
+
+template <int DIM>
+void sparse_tiled(const SparseProblem& pb, const std::vector<SparseTask>& tasks) {
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    std::vector<float> buf;
+    std::vector<uint32_t> who;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < static_cast<int64_t>(tasks.size()); ++t) sparse_tile<DIM>(pb, tasks[t], buf, who);
+  }
+}
+
+// Tasks of `sparse_tiled`: tiles of consecutive rows of one request (a request's rows are contiguous in a vLLM
+// batch), per KV group, costliest first.
+std::vector<SparseTask> sparse_tasks_of(const SparseProblem& pb, int64_t n) {
+  std::vector<SparseTask> tasks;
+  for (int64_t r0 = 0; r0 < n;) {
+    int64_t r1 = r0 + 1;
+    while (r1 < n && r1 - r0 < TILE_ROWS && pb.reqs[r1] == pb.reqs[r0]) ++r1;
+    for (int64_t g = 0; g < pb.groups; ++g) tasks.push_back({r0, r1 - r0, g, (r1 - r0) * pb.width});
+    r0 = r1;
+  }
+  std::stable_sort(tasks.begin(), tasks.end(), [](const SparseTask& a, const SparseTask& b) { return a.cost > b.cost; });
+  return tasks;
 }
 
 // q [N, H, D], kv [pages, G, page, 2D] float32; reqs, pos [N] int64; ids [N, G, W] int32 (-1 padded);
@@ -112,6 +248,15 @@ at::Tensor paged_sparse(at::Tensor q, at::Tensor kv, at::Tensor block_table, at:
                          has_sinks ? sinks.data_ptr<float>() : nullptr, out.data_ptr<float>(), heads, groups,
                          kv.size(2), ids.size(2), span, kv.stride(0), kv.stride(1), kv.stride(2),
                          block_table.stride(0), static_cast<float>(scale)};
+  if (span >= MIN_TILED_SPAN && heads / groups <= 64) {
+    switch (dim) {
+#define HYSPARSE_DIM(D) \
+  case D: sparse_tiled<D>(pb, sparse_tasks_of(pb, n)); return out;
+      HYSPARSE_TILE_DIMS(HYSPARSE_DIM)
+#undef HYSPARSE_DIM
+      default: break;  // other head dims: the per-row loop below
+    }
+  }
   at::parallel_for(0, n * groups, 1, [&](int64_t begin, int64_t end) {
     switch (dim) {
       case 64: sparse_tasks<64>(pb, dim, begin, end); break;

@@ -1,0 +1,104 @@
+// SPDX-License-Identifier: Apache-2.0
+// The tile steps the C++ CPU kernels share: 8-float vectors, scores of a tile of keys for a set of query
+// vectors (directly, or through a transposed [DIM, KEYS] copy of the keys so that one FMA scores 8 keys),
+// and the weighted sum of a tile's values. DIM is a compile-time head dim, a multiple of 8.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+
+namespace {
+
+typedef float v8 __attribute__((vector_size(32)));
+constexpr int64_t KEYS = 32;       // keys per tile (4 vectors of 8)
+constexpr int64_t TILE_ROWS = 16;  // rows per prefill task
+constexpr int64_t DIRECT_MAX = 4;  // tasks with at most this many query vectors dot keys directly
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+inline v8 load8(const float* p) {
+  v8 x;
+  __builtin_memcpy(&x, p, sizeof(x));
+  return x;
+}
+inline void store8(float* p, v8 x) { __builtin_memcpy(p, &x, sizeof(x)); }
+inline v8 splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
+inline float hsum(v8 x) {
+  return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
+}
+
+// Scores of `count` keys (< KEYS), pointers `kp`, for `nq` query vectors `qs` [nq, DIM] -> s [nq, KEYS].
+template <int DIM>
+void score_direct(const float* qs, int64_t nq, const float* const* kp, int64_t count, float* s) {
+  constexpr int NV = DIM / 8;
+  for (int64_t j = 0; j < count; ++j) {
+    v8 k[NV];
+    for (int c = 0; c < NV; ++c) k[c] = load8(kp[j] + 8 * c);
+    for (int64_t i = 0; i < nq; ++i) {
+      const float* qi = qs + i * DIM;
+      v8 a = splat(0.f), b = splat(0.f);
+      for (int c = 0; c + 1 < NV; c += 2) {
+        a += load8(qi + 8 * c) * k[c];
+        b += load8(qi + 8 * c + 8) * k[c + 1];
+      }
+      if (NV % 2) a += load8(qi + 8 * (NV - 1)) * k[NV - 1];
+      s[i * KEYS + j] = hsum(a + b);
+    }
+  }
+}
+
+// Same result through a transposed tile kt [DIM, KEYS]: 8 keys per FMA, two query vectors at a time.
+template <int DIM>
+void score_tiled(const float* qs, int64_t nq, const float* kt, float* s) {
+  int64_t i = 0;
+  for (; i + 1 < nq; i += 2) {
+    const float* q0 = qs + i * DIM;
+    const float* q1 = q0 + DIM;
+    v8 a0 = splat(0.f), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    for (int d = 0; d < DIM; ++d) {
+      const float* r = kt + d * KEYS;
+      const v8 k0 = load8(r), k1 = load8(r + 8), k2 = load8(r + 16), k3 = load8(r + 24);
+      const v8 x = splat(q0[d]), y = splat(q1[d]);
+      a0 += x * k0; a1 += x * k1; a2 += x * k2; a3 += x * k3;
+      b0 += y * k0; b1 += y * k1; b2 += y * k2; b3 += y * k3;
+    }
+    float* s0 = s + i * KEYS;
+    store8(s0, a0); store8(s0 + 8, a1); store8(s0 + 16, a2); store8(s0 + 24, a3);
+    store8(s0 + KEYS, b0); store8(s0 + KEYS + 8, b1); store8(s0 + KEYS + 16, b2); store8(s0 + KEYS + 24, b3);
+  }
+  for (; i < nq; ++i) {
+    const float* q0 = qs + i * DIM;
+    v8 a0 = splat(0.f), a1 = a0, a2 = a0, a3 = a0;
+    for (int d = 0; d < DIM; ++d) {
+      const float* r = kt + d * KEYS;
+      const v8 x = splat(q0[d]);
+      a0 += x * load8(r); a1 += x * load8(r + 8); a2 += x * load8(r + 16); a3 += x * load8(r + 24);
+    }
+    float* s0 = s + i * KEYS;
+    store8(s0, a0); store8(s0 + 8, a1); store8(s0 + 16, a2); store8(s0 + 24, a3);
+  }
+}
+
+// acc [DIM] += sum_j p[j] * V_j over `count` keys, 64 dims of registers at a time.
+template <int DIM>
+inline void accumulate(float* acc, const float* p, const float* const* vp, int64_t count) {
+  for (int d0 = 0; d0 < DIM; d0 += 64) {
+    constexpr int NV_ALL = DIM / 8;
+    const int nv = std::min(8, NV_ALL - d0 / 8);
+    v8 a[8];
+    for (int c = 0; c < 8; ++c) a[c] = c < nv ? load8(acc + d0 + 8 * c) : splat(0.f);
+    for (int64_t j = 0; j < count; ++j) {
+      if (p[j] == 0.f) continue;
+      const v8 w = splat(p[j]);
+      const float* v = vp[j] + d0;
+      for (int c = 0; c < 8; ++c)
+        if (c < nv) a[c] += w * load8(v + 8 * c);
+    }
+    for (int c = 0; c < nv; ++c) store8(acc + d0 + 8 * c, a[c]);
+  }
+}
+
+// The head dims the tiled kernels compile, for their switches and for Python (`supported_dims`).
+#define HYSPARSE_TILE_DIMS(X) X(16) X(32) X(48) X(64) X(80) X(96) X(112) X(128) X(160) X(192) X(256)
+
+}  // namespace
