@@ -87,42 +87,51 @@ void sparse_tasks(const SparseProblem& pb, int64_t dim_rt, int64_t begin, int64_
   }
 }
 
-// Block-sparse rows in tiles (span >= MIN_TILED_SPAN): a task is up to TILE_ROWS consecutive rows of one request
-// and one KV group, whose query vectors (rows x the group's heads) walk the union of the rows' selected runs
-// KEYS keys at a time, as the tiled oracle walks a whole context. Consecutive prefill rows select mostly the
-// same blocks (all of them while the context fits the budget), so each key is loaded and transposed once for
-// the tile, and one FMA scores 8 keys; a row skips the runs it did not select. Selections must be distinct
-// within a row (the oracle's are).
-constexpr int64_t MIN_TILED_SPAN = 8;
-
+// Rows in tiles: a task is up to TILE_ROWS consecutive rows of one request and one KV group, whose query vectors
+// (rows x the group's heads) walk the union of the rows' selected positions KEYS keys at a time, as the tiled
+// oracle walks a whole context. Consecutive prefill rows select mostly the same keys (HySparse: all visible blocks
+// while the context fits the budget; HySparse2: overlapping windows), so each key is loaded and transposed once
+// for the tile, and one FMA scores 8 keys. Per key, a mask says which rows selected it; a row skips the others
+// and the keys after its position. Selections must be distinct within a row (the oracles' are).
 struct SparseTask {
   int64_t row0, rows, group, cost;
 };
 
+struct TileScratch {
+  std::vector<float> buf;
+  std::vector<uint32_t> who;   // per run: bit r set when row r selected it
+  std::vector<int64_t> keys;   // the union's positions, ascending
+};
+
 template <int DIM>
-void sparse_tile(const SparseProblem& pb, const SparseTask& tk, std::vector<float>& buf, std::vector<uint32_t>& who) {
+void sparse_tile(const SparseProblem& pb, const SparseTask& tk, TileScratch& sc) {
   const int64_t per_group = pb.heads / pb.groups, nq = tk.rows * per_group;
-  int64_t last = 0;  // the tile's largest position
-  for (int64_t r = 0; r < tk.rows; ++r) last = std::max(last, pb.pos[tk.row0 + r]);
-  const int64_t nb = last / pb.span + 1;  // runs that hold a key visible to some row
-  // who[b]: bit r set when row r selected run b
-  who.assign(nb, 0u);
+  const int64_t* pos = pb.pos + tk.row0;
+  int64_t last = -1;  // the tile's largest position
+  for (int64_t r = 0; r < tk.rows; ++r) last = std::max(last, pos[r]);
+  if (last < 0) last = 0;
+  const int64_t nb = last / pb.span + 1;  // runs that may hold a key visible to some row
+  sc.who.assign(nb, 0u);
   for (int64_t r = 0; r < tk.rows; ++r) {
-    const int64_t row = tk.row0 + r;
-    const int32_t* sel = pb.ids + (row * pb.groups + tk.group) * pb.width;
+    const int32_t* sel = pb.ids + ((tk.row0 + r) * pb.groups + tk.group) * pb.width;
     for (int64_t s = 0; s < pb.width; ++s)
-      if (sel[s] >= 0 && sel[s] * pb.span <= pb.pos[row]) who[sel[s]] |= 1u << r;
+      if (sel[s] >= 0 && sel[s] * pb.span <= pos[r]) sc.who[sel[s]] |= 1u << r;
   }
+  sc.keys.clear();
+  for (int64_t b = 0; b < nb; ++b)
+    if (sc.who[b] != 0)
+      for (int64_t t = b * pb.span, stop = std::min((b + 1) * pb.span, last + 1); t < stop; ++t) sc.keys.push_back(t);
   const size_t need = 2 * nq * DIM + DIM * KEYS + nq * KEYS + nq * DIM + 2 * nq;
-  if (buf.size() < need) buf.resize(need);
-  float* qs = buf.data();   // [nq, DIM] scaled queries
-  float* qc = qs + nq * DIM;  // [nq, DIM] the queries of the rows that selected the current run
+  if (sc.buf.size() < need) sc.buf.resize(need);
+  float* qs = sc.buf.data();  // [nq, DIM] scaled queries
+  float* qc = qs + nq * DIM;  // [nq, DIM] the queries of the rows a key tile concerns, compacted
   float* kt = qc + nq * DIM;
   float* s = kt + DIM * KEYS;
   float* acc = s + nq * KEYS;
   float* m = acc + nq * DIM;
   float* l = m + nq;
-  int64_t act[TILE_ROWS * 64];  // query vectors of the rows that selected the current run (per_group <= 64)
+  int64_t act[TILE_ROWS * 64];  // those rows' query vectors (per_group <= 64)
+  uint32_t kmask[KEYS];
   const float* kp[KEYS];
   const float* vp[KEYS];
   for (int64_t r = 0; r < tk.rows; ++r) {
@@ -134,73 +143,73 @@ void sparse_tile(const SparseProblem& pb, const SparseTask& tk, std::vector<floa
   std::fill(l, l + nq, 0.f);
   const int32_t* pages = pb.bt + pb.reqs[tk.row0] * pb.s_bt;
   const float* base = pb.kv + tk.group * pb.s_group;
-  const uint32_t all = tk.rows == 32 ? ~0u : (1u << tk.rows) - 1;
-  for (int64_t b = 0; b < nb; ++b) {
-    if (who[b] == 0) continue;
-    const int64_t stop = std::min((b + 1) * pb.span, last + 1);
-    for (int64_t k0 = b * pb.span; k0 < stop; k0 += KEYS) {
-      const int64_t count = std::min(KEYS, stop - k0);
-      // the rows that selected this run and see at least its first key
-      uint32_t rows = who[b];
-      for (int64_t r = 0; r < tk.rows; ++r)
-        if (pb.pos[tk.row0 + r] < k0) rows &= ~(1u << r);
-      if (rows == 0) continue;
-      int64_t na = 0;
-      for (int64_t r = 0; r < tk.rows; ++r)
-        if (rows >> r & 1u)
-          for (int64_t p = 0; p < per_group; ++p) act[na++] = r * per_group + p;
-      const float* qa = qs;
-      if (rows != all) {  // compact the selecting rows' queries, so none is scored in vain
-        for (int64_t a = 0; a < na; ++a) std::copy(qs + act[a] * DIM, qs + (act[a] + 1) * DIM, qc + a * DIM);
-        qa = qc;
-      }
-      for (int64_t j = 0; j < count; ++j) {
-        const int64_t t = k0 + j;
-        kp[j] = base + pages[t / pb.page] * pb.s_page + (t % pb.page) * pb.s_tok;
-        vp[j] = kp[j] + DIM;
-      }
-      if (na <= DIRECT_MAX) {
-        score_direct<DIM>(qa, na, kp, count, s);
-      } else {
-        for (int64_t j = 0; j < KEYS; ++j)
-          for (int d = 0; d < DIM; ++d) kt[d * KEYS + j] = j < count ? kp[j][d] : 0.f;
-        score_tiled<DIM>(qa, na, kt, s);
-      }
-      for (int64_t a = 0; a < na; ++a) {
-        const int64_t i = act[a];
-        const int64_t visible = std::min<int64_t>(count, pb.pos[tk.row0 + i / per_group] - k0 + 1);
-        float* si = s + a * KEYS;
-        float mt = m[i];
-        for (int64_t j = 0; j < visible; ++j) mt = std::max(mt, si[j]);
-        const float rescale = std::exp(m[i] - mt);  // 0 while nothing was seen (m = -inf)
-        float sum = 0.f;
-        for (int64_t j = 0; j < visible; ++j) {
-          si[j] = std::exp(si[j] - mt);
-          sum += si[j];
+  const uint32_t all = (1u << tk.rows) - 1;  // tk.rows <= TILE_ROWS < 32
+  const int64_t total = static_cast<int64_t>(sc.keys.size());
+  for (int64_t c0 = 0; c0 < total; c0 += KEYS) {
+    const int64_t count = std::min(KEYS, total - c0);
+    const int64_t* key = sc.keys.data() + c0;
+    uint32_t rows = 0;
+    for (int64_t j = 0; j < count; ++j) rows |= kmask[j] = sc.who[key[j] / pb.span];
+    for (int64_t r = 0; r < tk.rows; ++r)
+      if (pos[r] < key[0]) rows &= ~(1u << r);  // keys ascend: this row sees none of them
+    if (rows == 0) continue;
+    int64_t na = 0;
+    for (int64_t r = 0; r < tk.rows; ++r)
+      if (rows >> r & 1u)
+        for (int64_t p = 0; p < per_group; ++p) act[na++] = r * per_group + p;
+    const float* qa = qs;
+    if (rows != all) {  // score only the rows concerned
+      for (int64_t a = 0; a < na; ++a) std::copy(qs + act[a] * DIM, qs + (act[a] + 1) * DIM, qc + a * DIM);
+      qa = qc;
+    }
+    for (int64_t j = 0; j < count; ++j) {
+      kp[j] = base + pages[key[j] / pb.page] * pb.s_page + (key[j] % pb.page) * pb.s_tok;
+      vp[j] = kp[j] + DIM;
+    }
+    if (na <= DIRECT_MAX) {
+      score_direct<DIM>(qa, na, kp, count, s);
+    } else {
+      for (int64_t j = 0; j < KEYS; ++j)
+        for (int d = 0; d < DIM; ++d) kt[d * KEYS + j] = j < count ? kp[j][d] : 0.f;
+      score_tiled<DIM>(qa, na, kt, s);
+    }
+    for (int64_t a = 0; a < na; ++a) {
+      const int64_t i = act[a], r = i / per_group;
+      const uint32_t bit = 1u << r;
+      float* si = s + a * KEYS;
+      float mt = m[i];
+      bool any = false;
+      for (int64_t j = 0; j < count; ++j)
+        if ((kmask[j] & bit) && key[j] <= pos[r]) {
+          mt = std::max(mt, si[j]);
+          any = true;
         }
-        l[i] = l[i] * rescale + sum;
-        m[i] = mt;
-        float* ai = acc + i * DIM;
-        if (rescale != 1.f)
-          for (int d = 0; d < DIM; ++d) ai[d] *= rescale;
-        accumulate<DIM>(ai, si, vp, visible);
+      if (!any) continue;
+      const float rescale = std::exp(m[i] - mt);  // 0 while nothing was seen (m = -inf)
+      float sum = 0.f;
+      for (int64_t j = 0; j < count; ++j) {
+        si[j] = (kmask[j] & bit) && key[j] <= pos[r] ? std::exp(si[j] - mt) : 0.f;
+        sum += si[j];
       }
+      l[i] = l[i] * rescale + sum;
+      m[i] = mt;
+      float* ai = acc + i * DIM;
+      if (rescale != 1.f)
+        for (int d = 0; d < DIM; ++d) ai[d] *= rescale;
+      accumulate<DIM>(ai, si, vp, count);
     }
   }
-  for (int64_t i = 0; i < nq; ++i) {
-    const int64_t row = tk.row0 + i / per_group, h = tk.group * per_group + i % per_group;
-    store_row(pb, row, h, DIM, m[i], l[i], acc + i * DIM);
-  }
+  for (int64_t i = 0; i < nq; ++i)
+    store_row(pb, tk.row0 + i / per_group, tk.group * per_group + i % per_group, DIM, m[i], l[i], acc + i * DIM);
 }
 
 template <int DIM>
 void sparse_tiled(const SparseProblem& pb, const std::vector<SparseTask>& tasks) {
 #pragma omp parallel num_threads(at::get_num_threads())
   {
-    std::vector<float> buf;
-    std::vector<uint32_t> who;
+    TileScratch scratch;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t t = 0; t < static_cast<int64_t>(tasks.size()); ++t) sparse_tile<DIM>(pb, tasks[t], buf, who);
+    for (int64_t t = 0; t < static_cast<int64_t>(tasks.size()); ++t) sparse_tile<DIM>(pb, tasks[t], scratch);
   }
 }
 
@@ -248,7 +257,7 @@ at::Tensor paged_sparse(at::Tensor q, at::Tensor kv, at::Tensor block_table, at:
                          has_sinks ? sinks.data_ptr<float>() : nullptr, out.data_ptr<float>(), heads, groups,
                          kv.size(2), ids.size(2), span, kv.stride(0), kv.stride(1), kv.stride(2),
                          block_table.stride(0), static_cast<float>(scale)};
-  if (span >= MIN_TILED_SPAN && heads / groups <= 64) {
+  if (heads / groups <= 64) {
     switch (dim) {
 #define HYSPARSE_DIM(D) \
   case D: sparse_tiled<D>(pb, sparse_tasks_of(pb, n)); return out;
