@@ -185,18 +185,12 @@ void sparse_tile(const SparseProblem& pb, const SparseTask& tk, TileScratch& sc)
           any = true;
         }
       if (!any) continue;
-      const float rescale = std::exp(m[i] - mt);  // 0 while nothing was seen (m = -inf)
       float sum = 0.f;
       for (int64_t j = 0; j < count; ++j) {
         si[j] = (kmask[j] & bit) && key[j] <= pos[r] ? std::exp(si[j] - mt) : 0.f;
         sum += si[j];
       }
-      l[i] = l[i] * rescale + sum;
-      m[i] = mt;
-      float* ai = acc + i * DIM;
-      if (rescale != 1.f)
-        for (int d = 0; d < DIM; ++d) ai[d] *= rescale;
-      accumulate<DIM>(ai, si, vp, count);
+      online_step<DIM>(mt, sum, si, vp, count, m[i], l[i], acc + i * DIM);
     }
   }
   for (int64_t i = 0; i < nq; ++i)

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 
@@ -96,6 +97,20 @@ inline void accumulate(float* acc, const float* p, const float* const* vp, int64
     }
     for (int c = 0; c < nv; ++c) store8(acc + d0 + 8 * c, a[c]);
   }
+}
+
+// One online-softmax step of a query vector: `w` [count] holds exp(z - mt) for the keys it attends (0 for the
+// others), `sum` their total and `mt` the new running max. Rescales the running sum l and accumulator acc [DIM]
+// from the old max m, then adds the weighted values.
+template <int DIM>
+inline void online_step(float mt, float sum, const float* w, const float* const* vp, int64_t count, float& m, float& l,
+                        float* acc) {
+  const float rescale = std::exp(m - mt);  // 0 while nothing was seen (m = -inf)
+  l = l * rescale + sum;
+  m = mt;
+  if (rescale != 1.f)
+    for (int d = 0; d < DIM; ++d) acc[d] *= rescale;
+  accumulate<DIM>(acc, w, vp, count);
 }
 
 // The head dims the tiled kernels compile, for their switches and for Python (`supported_dims`).

@@ -111,18 +111,12 @@ void run_task(const Problem& pb, const Task& tk, std::vector<float>& buf) {
         const int64_t b = (k0 + j) / pb.block;
         ui[b] = std::max(ui[b], si[j]);
       }
-      const float rescale = std::exp(m[i] - mt);  // 0 while nothing was seen (m = -inf)
       float sum = 0.f;
       for (int64_t j = 0; j < visible; ++j) {
         si[j] = std::exp(si[j] - mt);
         sum += si[j];
       }
-      l[i] = l[i] * rescale + sum;
-      m[i] = mt;
-      float* ai = acc + i * DIM;
-      if (rescale != 1.f)
-        for (int d = 0; d < DIM; ++d) ai[d] *= rescale;
-      accumulate<DIM>(ai, si, vp, visible);
+      online_step<DIM>(mt, sum, si, vp, visible, m[i], l[i], acc + i * DIM);
     }
   }
   // outputs, Eq. 3 scores (group max over heads) and the top-k of each row
