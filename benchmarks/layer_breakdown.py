@@ -39,7 +39,6 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 import torch  # noqa: E402
 
 BENCH_DIR = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH_DIR))
 from serve_bench import CHECKPOINT_DIR, ensure_dense_checkpoint, ensure_hysparse_checkpoint  # noqa: E402
 
 RESULTS_DIR = BENCH_DIR / "results"

@@ -29,7 +29,6 @@ import sys
 from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH_DIR))
 from serve_bench import free_port, running_server, save_report, serve_env  # noqa: E402
 
 import vllm_hysparse  # noqa: E402,F401  (lm-eval's tokenizer loads HySparse configs through transformers)

@@ -45,7 +45,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH_DIR))
 from serve_bench import VLLM, error_excerpt, free_port, machine_info, running_server, serve_env  # noqa: E402
 
 RESULTS_DIR = BENCH_DIR / "results" / "load"

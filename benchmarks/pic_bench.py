@@ -43,8 +43,8 @@ from pathlib import Path
 BENCH_DIR = Path(__file__).resolve().parent
 CHECKPOINT_DIR = BENCH_DIR / "checkpoints"
 RESULTS_DIR = BENCH_DIR / "results" / "pic"
-sys.path.insert(0, str(BENCH_DIR))
 from serve_bench import machine_info  # noqa: E402  (same machine record as the serving benchmark)
+
 ARCHS = ("hysparse", "hysparse2")
 LABELS = {"hysparse": "HySparse", "hysparse2": "HySparse2"}
 DEFAULT_SEAM = 8

@@ -38,7 +38,6 @@ from pathlib import Path
 BENCH_DIR = Path(__file__).resolve().parent
 CHECKPOINT_DIR = BENCH_DIR / "checkpoints"
 RESULTS_DIR = BENCH_DIR / "results"
-sys.path.insert(0, str(BENCH_DIR))  # prefill_flops.py next to this file, however the script is started
 from prefill_flops import flops_table, paper_ratio  # noqa: E402
 
 from vllm_hysparse.tools.demo_client import wait_until_healthy  # noqa: E402

@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH_DIR))
 from serve_bench import free_port, http_get, pages_per_query, parse_metrics, running_server, serve_env  # noqa: E402
 
 REPO = BENCH_DIR.parent

@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH_DIR))
 from serve_bench import free_port, running_server, save_report, serve_env  # noqa: E402
 
 RESULTS_DIR = BENCH_DIR / "results" / "smollm2"

@@ -33,13 +33,35 @@ import tempfile
 import time
 from pathlib import Path
 
-BENCH_DIR = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH_DIR))
-from load_test import (  # noqa: E402
-    ARCHS, LABELS, RESULTS_DIR, SEEDS, DocPool, Job, Monitor, alone_answers, check_outcomes, ensure_tiny,
-    error_excerpt, exit_on_sigterm, free_port, machine_info, make_client, make_jobs, make_specs, model_id,
-    percentile, result_stem, run_burst, running_server, serve_cmd, serve_env, server_log_problems, stream_one,
-    wait_drained)
+from load_test import (
+    ARCHS,
+    LABELS,
+    RESULTS_DIR,
+    SEEDS,
+    DocPool,
+    Job,
+    Monitor,
+    alone_answers,
+    check_outcomes,
+    ensure_tiny,
+    error_excerpt,
+    exit_on_sigterm,
+    free_port,
+    machine_info,
+    make_client,
+    make_jobs,
+    make_specs,
+    model_id,
+    percentile,
+    result_stem,
+    run_burst,
+    running_server,
+    serve_cmd,
+    serve_env,
+    server_log_problems,
+    stream_one,
+    wait_drained,
+)
 
 
 async def closed_loop(root: str, model: str, specs, clients: int, duration_s: float, rng: random.Random,
