@@ -15,25 +15,7 @@ done
 bash scripts/setup_env.sh
 VENV="${VENV:-.venv}"
 PY="$VENV/bin/python"
-# Bytecode for every installed module, compiled here rather than in setup_env.sh, so that the demo (two vLLM
-# processes) does not wait a minute for what a test run (about a hundred) needs: uv installs without bytecode, and
-# where PYTHONDONTWRITEBYTECODE is set (as on the CI machines) every Python process would otherwise compile each
-# module it imports from source. Measured on the 2-core machine: `import vllm` takes 12.8 s of CPU without bytecode
-# and 5.4 s with it. About a minute the first time; skipped while the installed distributions and versions are
-# unchanged and vLLM's bytecode is there (uv reinstalls vLLM on every setup run, because of setup_env.sh's metadata
-# fix, which drops its bytecode).
-SITE="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-STAMP="$VENV/.bytecode-stamp"
-FINGERPRINT="$("$PY" -m pip --disable-pip-version-check -q list --format=freeze 2>/dev/null | sha256sum \
-  | cut -d' ' -f1)"
-if [ "$(cat "$STAMP" 2>/dev/null)" != "$FINGERPRINT" ] || [ ! -d "$SITE/vllm/__pycache__" ]; then
-  echo "[test] compiling bytecode of the installed packages"
-  # Some packages ship files that are not Python 3.11 (templates, tests for other versions): compileall reports them
-  # and goes on; its exit status says nothing about the modules we import.
-  "$PY" -m compileall -q -j 0 "$SITE" >/dev/null 2>&1 || true
-  echo "$FINGERPRINT" >"$STAMP"
-fi
-# This checkout's own bytecode (seconds): every test, engine and server
+# This checkout's own bytecode (seconds; setup_env.sh compiles the installed packages): every test, engine and server
 # process imports these modules, and with PYTHONDONTWRITEBYTECODE set none of them would write it.
 "$PY" -m compileall -q -j 0 vllm_hysparse csrc_triton tests benchmarks >/dev/null 2>&1 || true
 if [[ "$BENCH" == 1 ]]; then
