@@ -109,7 +109,7 @@ def _build(name: str):
                  is_python_module=False, verbose=False)
         namespace = getattr(torch.ops, module)
         ops = SimpleNamespace(**{op: getattr(namespace, op) for op in _OPS[name]})
-        if name == "oracle_tiled":
+        if name in ("oracle_tiled", "sparse"):
             ops.SUPPORTED_DIMS = tuple(namespace.supported_dims())
         return ops
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the PyTorch path

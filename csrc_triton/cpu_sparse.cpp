@@ -13,7 +13,6 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
-#include "cpu_online_softmax.h"
 #include "cpu_tile.h"
 
 #include <omp.h>
@@ -52,39 +51,6 @@ inline void store_row(const SparseProblem& pb, int64_t row, int64_t h, int64_t d
     }
   }
   for (int64_t d = 0; d < dim; ++d) o[d] = acc[d] * factor;
-}
-
-template <int DIM>
-void sparse_tasks(const SparseProblem& pb, int64_t dim_rt, int64_t begin, int64_t end) {
-  const int64_t dim = DIM > 0 ? DIM : dim_rt;
-  const int64_t per_group = pb.heads / pb.groups, page = pb.page;
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  std::vector<float> m(per_group), l(per_group), acc(per_group * dim), z(page), w(page);
-  for (int64_t task = begin; task < end; ++task) {
-    const int64_t row = task / pb.groups, g = task % pb.groups;
-    const int64_t t_pos = pb.pos[row];
-    const int32_t* pages = pb.bt + pb.reqs[row] * pb.s_bt;
-    const int32_t* sel = pb.ids + (row * pb.groups + g) * pb.width;
-    const float* qg = pb.q + (row * pb.heads + g * per_group) * dim;
-    std::fill(m.begin(), m.end(), neg_inf);
-    std::fill(l.begin(), l.end(), 0.f);
-    std::fill(acc.begin(), acc.end(), 0.f);
-    for (int64_t s = 0; s < pb.width; ++s) {
-      if (sel[s] < 0) continue;
-      const int64_t start = int64_t(sel[s]) * pb.span;
-      const int64_t stop = std::min(start + pb.span, t_pos + 1);
-      // the run [start, stop), one page segment at a time
-      for (int64_t first = start; first < stop;) {
-        const int64_t off = first % page, count = std::min(page - off, stop - first);
-        const float* slab = pb.kv + pages[first / page] * pb.s_page + g * pb.s_group + off * pb.s_tok;
-        for (int64_t p = 0; p < per_group; ++p)
-          online_softmax_run<DIM>(qg + p * dim, slab, count, pb.s_tok, dim, pb.scale, z.data(), w.data(), m[p],
-                                  l[p], acc.data() + p * dim);
-        first += count;
-      }
-    }
-    for (int64_t p = 0; p < per_group; ++p) store_row(pb, row, g * per_group + p, dim, m[p], l[p], acc.data() + p * dim);
-  }
 }
 
 // Rows in tiles: a task is up to TILE_ROWS consecutive rows of one request and one KV group, whose query vectors
@@ -251,32 +217,29 @@ at::Tensor paged_sparse(at::Tensor q, at::Tensor kv, at::Tensor block_table, at:
                          has_sinks ? sinks.data_ptr<float>() : nullptr, out.data_ptr<float>(), heads, groups,
                          kv.size(2), ids.size(2), span, kv.stride(0), kv.stride(1), kv.stride(2),
                          block_table.stride(0), static_cast<float>(scale)};
-  if (heads / groups <= 64) {
-    switch (dim) {
+  TORCH_CHECK(heads / groups <= 64, "paged_sparse: at most 64 query heads per KV group");
+  switch (dim) {
 #define HYSPARSE_DIM(D) \
-  case D: sparse_tiled<D>(pb, sparse_tasks_of(pb, n)); return out;
-      HYSPARSE_TILE_DIMS(HYSPARSE_DIM)
+  case D: sparse_tiled<D>(pb, sparse_tasks_of(pb, n)); break;
+    HYSPARSE_TILE_DIMS(HYSPARSE_DIM)
 #undef HYSPARSE_DIM
-      default: break;  // other head dims: the per-row loop below
-    }
+    default: TORCH_CHECK(false, "paged_sparse: head dim ", dim, " not compiled (see supported_dims)");
   }
-  at::parallel_for(0, n * groups, 1, [&](int64_t begin, int64_t end) {
-    switch (dim) {
-      case 64: sparse_tasks<64>(pb, dim, begin, end); break;
-      case 128: sparse_tasks<128>(pb, dim, begin, end); break;
-      case 256: sparse_tasks<256>(pb, dim, begin, end); break;
-      default: sparse_tasks<0>(pb, dim, begin, end);
-    }
-  });
   return out;
 }
 
 }  // namespace
 
+#define HYSPARSE_DIM(D) D,
+static std::vector<int64_t> supported_dims() { return {HYSPARSE_TILE_DIMS(HYSPARSE_DIM)}; }
+#undef HYSPARSE_DIM
+
 TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   // Sparse sink attention of each row over its selected runs of the paged cache.
   m.def("paged_sparse(Tensor q, Tensor kv, Tensor block_table, Tensor reqs, Tensor pos, Tensor ids, int span, "
         "float scale, Tensor sinks) -> Tensor");
+  // The head dims the kernel compiles.
+  m.def("supported_dims() -> int[]", &supported_dims);
 }
 
 TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) { m.impl("paged_sparse", &paged_sparse); }

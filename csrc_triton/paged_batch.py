@@ -348,7 +348,7 @@ def sparse_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens
     out[plan.num_tokens:].zero_()
     base = cpu_kernel_pages(k_cache, v_cache)
     ext = cpu_ext.load("sparse") if base is not None else None
-    if ext is not None:
+    if ext is not None and head_dim in ext.SUPPORTED_DIMS and num_heads // num_kv_heads <= 64:
         n = plan.num_tokens
         no_sinks = torch.empty(0, dtype=torch.float32)
         o = ext.paged_sparse(q[:n].float(), base, block_table, plan.row_req, plan.row_pos,
