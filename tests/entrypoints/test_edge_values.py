@@ -9,12 +9,20 @@ through `vllm serve` and through the offline `LLM`, on HySparse and on HySparse2
 refused with a 4xx (offline: a validation error). After every batch the server
 or engine must still give a known-good request the tokens it gave before.
 
+Through the server, CI sends each value once per architecture, by one route drawn
+from a fresh seed that the test prints (`HYSPARSE_EDGE_SEED` replays it): a
+plain, streamed or PIC completion, or (for the fields chat shares) a chat
+request; the combinations go by every completion route. The benchmark tier
+(`-m bench`) sends every value by every route, about 900 requests per
+architecture.
+
 The hostile-input suite sends malformed requests; these are valid ones, so they
 reach the scheduler and the worker, where an unguarded value kills the engine.
 """
 
 import asyncio
 import json
+import os
 import random
 from collections import Counter
 
@@ -24,13 +32,12 @@ import pytest
 from tests.entrypoints.serve_utils import MAX_LEN, VOCAB, error_of, pool_limits
 from tests.vllm_utils import make_llm, random_prompts, shutdown
 
-SEED = 20261202
+SEED = 20261202  # the prompt and the chat message (fixed: the known-good answers are compared within a run only)
+# The route of each value in the CI sweep: fresh per run, printed, replayed with HYSPARSE_EDGE_SEED.
+ROUTE_SEED = int(os.environ.get("HYSPARSE_EDGE_SEED") or random.SystemRandom().randrange(2**32))
 ARCHS = ("hysparse", "hysparse2")
 BATCH = 16
 REQUEST_TIMEOUT_S = 120
-# The server sweep (about 900 requests per architecture) runs as this many tests: one took 220 s in CI beside the
-# other processes (49 s alone), over the 3-minute bound for one test.
-SHARDS = 2
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
 # The prompt nearly fills the context, so that "generate as much as fits" stays cheap.
@@ -142,20 +149,36 @@ def chat_messages(server, model: str) -> list[dict]:
     return [{"role": "user", "content": " ".join(words[:lo])}]
 
 
-def build_cases(model: str, messages: list[dict]) -> list[tuple[str, dict]]:
-    """(path, body) of every edge case: completions plain, streamed and PIC; chat plain."""
-    cases = []
+def build_cases(model: str, messages: list[dict], rng: random.Random | None = None) -> list[tuple[str, dict]]:
+    """(path, body) of the edge cases. `rng` None: every value by every route (completions plain, streamed and
+    PIC; chat plain; streamed chat takes the streamed completions' path). Otherwise each value goes by one route
+    drawn from `rng` (a field both endpoints take: any of the four), and each combination by every completion
+    route."""
     bases = {COMPLETIONS: {"model": model, "prompt": list(PROMPT), "max_tokens": 4},
              CHAT: {"model": model, "messages": messages, "max_tokens": 4}}
-    for path, fields in ((COMPLETIONS, COMPLETION_FIELDS), (CHAT, CHAT_FIELDS)):
-        singles = [{name: value} for name, values in fields.items() for value in values]
-        for extra in singles + (COMBOS if path == COMPLETIONS else []):
-            body = {**bases[path], **extra}
-            cases.append((path, body))
-            if path == COMPLETIONS:  # (streamed chat takes the same path as streamed completions)
-                cases.append((path, {**body, "stream": True}))
-                xargs = extra.get("vllm_xargs") if "vllm_xargs" in extra else {}
-                cases.append((path, {**body, "vllm_xargs": {**PIC_XARGS, **(xargs or {})}}))
+
+    def completion(extra: dict, route: str) -> tuple[str, dict]:
+        body = {**bases[COMPLETIONS], **extra}
+        if route == "stream":
+            body["stream"] = True
+        elif route == "pic":
+            body["vllm_xargs"] = {**PIC_XARGS, **(extra.get("vllm_xargs") or {})}
+        return COMPLETIONS, body
+
+    routes = ("plain", "stream", "pic")
+    cases = []
+    for name, values in COMPLETION_FIELDS.items():
+        for value in values:
+            if rng is None:
+                cases += [completion({name: value}, r) for r in routes]
+            else:
+                route = rng.choice(routes + (("chat",) if name in CHAT_FIELDS else ()))
+                cases.append((CHAT, {**bases[CHAT], name: value}) if route == "chat"
+                             else completion({name: value}, route))
+    cases += [completion(extra, r) for extra in COMBOS for r in routes]
+    for name, values in CHAT_FIELDS.items():
+        if rng is None or name not in COMPLETION_FIELDS:
+            cases += [(CHAT, {**bases[CHAT], name: value}) for value in values]
     return cases
 
 
@@ -260,16 +283,8 @@ def test_reproduction_prompt_logprobs_zero(tiny_server, arch):
     assert after.status_code == 200 and after.json()["choices"][0]["text"] == before.json()["choices"][0]["text"]
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("shard", range(SHARDS))
-def test_edge_values_through_the_server(tiny_server, arch, shard):
-    server = tiny_server(arch)
-    model = httpx.get(f"{server.base_url}/models", headers=server.headers, timeout=30).json()["data"][0]["id"]
-    cases = build_cases(model, chat_messages(server, model))
-    random.Random(SEED).shuffle(cases)  # mixes fields within a batch; the seed fixes the order
-    cases = cases[shard::SHARDS]
-    print(f"\n[edge] seed {SEED}: shard {shard} of {SHARDS}, {len(cases)} requests to {arch}")
-
+def _sweep(server, arch, model, cases, what: str):
+    print(f"\n[edge] {what}: {len(cases)} requests to {arch}")
     known_good = _known_good_http(model)
 
     async def run():
@@ -286,13 +301,13 @@ def test_edge_values_through_the_server(tiny_server, arch, shard):
     bad = [(path, body, status, detail) for (path, body), (status, detail) in zip(cases, outcomes)
            if not (status == 200 or isinstance(status, int) and 400 <= status < 500)]
     changed = [(start, got) for start, got in after if got != before]
-    assert not changed, (f"the known-good requests changed after the batch starting at case {changed[0][0]}: "
+    assert not changed, (f"{what}: the known-good requests changed after the batch starting at case {changed[0][0]}: "
                          f"{changed[0][1]} (before {before}); that batch: "
                          + "\n".join(map(repr, cases[changed[0][0]:changed[0][0] + BATCH])))
-    assert not bad, f"{len(bad)} requests neither succeeded nor got a 4xx:\n" + "\n".join(map(repr, bad[:12]))
+    assert not bad, f"{what}: {len(bad)} requests neither succeeded nor got a 4xx:\n" + "\n".join(map(repr, bad[:12]))
     wrong = [(body, status, why) for (path, body), (status, _) in zip(cases, outcomes)
              if (why := _expected_refusal(arch, body)) and status != 400]
-    assert not wrong, f"{len(wrong)} requests should have got a 400:\n" + "\n".join(map(repr, wrong[:12]))
+    assert not wrong, f"{what}: {len(wrong)} requests should have got a 400:\n" + "\n".join(map(repr, wrong[:12]))
     # Most edge values are valid: a sweep that refuses everything proves nothing.
     assert counts[200] >= 0.5 * len(cases), counts
     # (vLLM logs a traceback for a validation error raised inside a stream, so the log is searched for
@@ -300,6 +315,32 @@ def test_edge_values_through_the_server(tiny_server, arch, shard):
     engine_errors = [line for line in server.log.read_text(errors="replace").splitlines()
                      if ("(EngineCore" in line or "(Worker" in line) and " ERROR " in line]
     assert server.proc.poll() is None and not engine_errors, "\n".join(engine_errors[:40])
+
+
+def _server_cases(server, rng):
+    model = httpx.get(f"{server.base_url}/models", headers=server.headers, timeout=30).json()["data"][0]["id"]
+    cases = build_cases(model, chat_messages(server, model), rng)
+    random.Random(SEED).shuffle(cases)  # mixes fields within a batch
+    return model, cases
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_edge_values_through_the_server(tiny_server, arch):
+    """Each value once, by a route drawn from ROUTE_SEED (printed)."""
+    server = tiny_server(arch)
+    model, cases = _server_cases(server, random.Random(f"{ROUTE_SEED}-{arch}"))
+    # Every route is taken, and every field: the draw only spreads the values over the routes.
+    assert {p for p, _ in cases} == {COMPLETIONS, CHAT}
+    assert sum(b.get("stream", False) for _, b in cases) and sum("vllm_xargs" in b for _, b in cases)
+    _sweep(server, arch, model, cases, f"seed {ROUTE_SEED} (HYSPARSE_EDGE_SEED={ROUTE_SEED} replays it)")
+
+
+@pytest.mark.bench
+@pytest.mark.parametrize("arch", ARCHS)
+def test_edge_values_by_every_route_through_the_server(tiny_server, arch):
+    """Benchmark tier: every value by every route (about 900 requests per architecture)."""
+    server = tiny_server(arch)
+    _sweep(server, arch, *_server_cases(server, None), "every value by every route")
 
 
 # ---- the offline engine -----------------------------------------------------------------------------------------

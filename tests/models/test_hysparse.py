@@ -11,6 +11,10 @@ import pytest
 import torch
 
 import vllm_hysparse  # noqa: F401
+from tests.pic_utils import MAX_TOKENS as PIC_MAX_TOKENS
+from tests.pic_utils import assemble, delta, reference_pic
+from tests.pic_utils import generate as pic_generate
+from tests.pic_utils import state as pic_state_of
 from tests.vllm_utils import (
     check_logprobs_close,
     env_without,
@@ -141,10 +145,26 @@ def test_preemption_matches_reference(ckpt, reference):
 
 
 def test_tensor_parallel_matches_reference(ckpt, reference, prompts, expected):
-    # Two ranks: each owns 2 of the 4 heads and 1 of the 2 KV groups.
+    """Plain and PIC requests at TP = 2 (each rank owns 2 of the 4 heads and 1 of the 2 KV groups, and so half of
+    every stored segment's K/V): plain greedy against the reference; PIC requests against the reference's
+    isolated-segment assembly (SPEC §4), the second time from the ranks' stores."""
+    docs = random_prompts([20, 70, 45, 9], reference.config.vocab_size, seed=31)  # prefix, two documents, query
+    prefix, d1, d2, q = docs
+    pic_prompts, layouts = zip(*[assemble([prefix, d1, d2, q], 4), assemble([prefix, d2, d1, q], 4)])
     llm = make_llm(ckpt, enforce_eager=True, block_size=32, max_model_len=512, tensor_parallel_size=2)
     try:
         got = vllm_greedy(llm, prompts[:8], MAX_TOKENS)
+        cold = pic_generate(llm, list(pic_prompts), list(layouts))
+        before = pic_state_of(llm)
+        assert llm.reset_prefix_cache()  # else vLLM's prefix cache serves the repeated prompts whole
+        hot = pic_generate(llm, list(pic_prompts), list(layouts))
+        hits = delta(pic_state_of(llm), before)
     finally:
         shutdown(llm)
     check_logprobs_close(expected[:8], got)
+    want = reference_pic(reference, pic_prompts, layouts)
+    assert check_logprobs_close(want, cold, min_matched=1.0) == len(want) * PIC_MAX_TOKENS
+    assert check_logprobs_close(want, hot, min_matched=1.0) == len(want) * PIC_MAX_TOKENS
+    # The second pass took both documents of both prompts from the store (each rank from its own).
+    assert hits["segments_hit"] == 4 and hits["segments_cold"] == 0, hits
+    assert hits["tokens_reused"] == 2 * (len(d1) - 4 + len(d2) - 4), hits

@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """Pipeline parallelism (CPU, two stages) against the reference model, and the splits we refuse.
 
-HySparse `tiny` ([F, S, S | F, S, S]) splits evenly between its two blocks; its checkpoint here is variant `a`
-of tests/feature_variants.py (qk_norm, attention bias, headwise gates, yarn RoPE and tied embeddings: the
-embedding lives on stage 0, the tied LM head on stage 1).
+HySparse `tiny` ([F, S, S | F, S, S]) splits evenly between its two blocks; its checkpoint here is `tiny_moe`
+(MoE MLPs from layer 1, vLLM's FusedMoE on both stages) with variant `a` of tests/feature_variants.py (qk_norm,
+attention bias, headwise gates, yarn RoPE and tied embeddings: the embedding lives on stage 0, the tied LM head
+on stage 1).
 HySparse2 `tiny` ([W, F, W | F, S, S, F, S], bridges from layer 1) runs at
 the self / cross boundary (3 + 5) and with its second cross block alone on
 stage 1 (6 + 2): there both stages run cross layers with prefill early exit,
@@ -96,7 +97,7 @@ def test_hysparse2_split_keeps_cross_blocks_together(monkeypatch):
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("pp")
-    return {"hysparse": write_checkpoint(root / "hysparse", "hysparse", "tiny", seed=23,
+    return {"hysparse": write_checkpoint(root / "hysparse", "hysparse", "tiny_moe", seed=23,
                                          overrides=variant_overrides("hysparse", "a")),
             "hysparse2": write_checkpoint(root / "hysparse2", "hysparse2", "tiny", seed=23)}
 
@@ -127,6 +128,7 @@ def _run_pp(ckpt, monkeypatch, partition: str | None):
 def test_hysparse_pp2_matches_reference(checkpoints, monkeypatch):
     config = AutoConfig.from_pretrained(checkpoints["hysparse"])
     assert config.tie_word_embeddings and config.qk_norm and config.rope_scaling["rope_type"] == "yarn"
+    assert config.num_experts > 1 and config.mlp_only_layers == [0]  # MoE on both stages
     matched, layouts = _run_pp(checkpoints["hysparse"], monkeypatch, None)
     assert matched >= 0.9 * len(LENGTHS) * MAX_TOKENS
     attn = [f"model.layers.{i}.self_attn.attn" for i in range(6)]
