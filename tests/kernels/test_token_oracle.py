@@ -241,10 +241,11 @@ def test_scratch_bounded_by_max_seq_len():
     assert torch.equal(narrow[1], wide[1])
 
 
-# SPEC §2.6: a value head dim of its own, both ways
+# SPEC §2.6: a value head dim of its own, both ways, in a mixed batch and in decode batches
 V_CASES = [
     Case([30, 10, 1, 1, 1], [30, 40, 7, 24, 25], head_dim=48, head_dim_v=32, pad_tokens=2),
     Case([1, 1, 1, 1], [1, 8, 25, 200], num_kv_heads=1, head_dim=32, head_dim_v=64, page_size=32, pad_tokens=1),
+    Case([1, 1, 1], [9, 40, 130], head_dim=48, head_dim_v=32, pad_tokens=1),
 ]
 
 
@@ -262,7 +263,10 @@ def test_separate_v_head_dim(case, reduce):
         qr, k, v = q[None, rows], batch.keys[r][None], batch.values[r][None]
         torch.testing.assert_close(ref[0][rows], ops.dense_attention(qr, k, v, scale)[0], atol=1e-5, rtol=1e-5)
         assert (ref[1][rows] == ops.token_topk(qr, k, scale, case.topk, case.window, reduce)[0]).all()
-    for num_splits, block_q in ((None, None), (2, 1), (1, 4)):
+    # The decode layout with KV splits on the mixed batch's 40 prefill rows takes ~13 s in the interpreter: the
+    # decode batches cover it.
+    decode = all(n == 1 for n in case.q_lens)
+    for num_splits, block_q in ((None, None), (2, 1), (1, 4)) if decode else ((None, None), (1, 4)):
         got = run(token_oracle_fwd, batch, q, case, reduce, out=nan_out(batch, q), num_splits=num_splits,
                   block_q=block_q)
         check_against_naive(case, torch.float32, reduce, got, ref, batch, q)
