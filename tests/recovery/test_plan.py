@@ -315,4 +315,22 @@ def test_plan_cli_errors_are_one_line(checkpoints, tmp_path, capsys):
     _one_error_line(capsys, "no config.json")
     assert plan.main([*base, "--arch", "hysparse", "--calibrate", str(tmp_path / "missing.txt")]) == 2
     _one_error_line(capsys, "missing.txt")
+    assert plan.main([*base, "--arch", "hysparse", "--num-self-layers", "3"]) == 2
+    _one_error_line(capsys, "--num-self-layers applies to --arch hysparse2 only")
+    assert plan.main([*base, "--arch", "hysparse2", "--num-self-layers", "99"]) == 2
+    _one_error_line(capsys, "--num-self-layers must be in")
     assert not (tmp_path / "p.json").exists()
+
+
+def test_hysparse2_plan_at_another_split(checkpoints, tmp_path):
+    """`--num-self-layers`: the split is given, the bridge source is still measured, among the new self layers."""
+    out = tmp_path / "p.json"
+    assert plan.main(["--teacher", str(checkpoints["teacher"]), "--arch", "hysparse2", "--out", str(out),
+                      "--num-self-layers", "4", *SMALL]) == 0
+    report = json.loads(out.read_text())
+    opts = report["options"]
+    assert opts["num_self_layers"] == 4 and opts["cross_full_layers"] == [4], opts
+    assert sorted(b["source"] for b in report["bridges"]) == [0, 1, 2, 3]
+    best = min(report["bridges"], key=lambda b: b["cost"])["source"]
+    assert opts["bridge_sources"] == [best] and opts["self_full_layers"] == [best]
+    assert report["command"].endswith("--min-window 8") and "--num-self-layers 4" in report["command"]

@@ -375,6 +375,7 @@ class Settings:
     count_first_token: bool = False
     contexts: tuple[int, ...] = CONTEXTS
     ridge: float = 1e-4
+    num_self_layers: int | None = None  # hysparse2: the self / cross split (None: the converter's, the papers' half)
 
 
 def _matrix(m: torch.Tensor) -> list[list[float | None]]:
@@ -478,10 +479,12 @@ PLANNERS = {"hysparse": plan_hysparse, "hysparse2": plan_hysparse2}
 
 def _default_options(arch: str, s: Settings) -> convert.PlanOptions:
     if arch == "hysparse":
+        if s.num_self_layers is not None:
+            raise ValueError("--num-self-layers applies to --arch hysparse2 only")
         return convert.PlanOptions(block_size=s.block_size, topk_blocks=s.topk_blocks, full_period=s.full_period)
     if s.block_size or s.topk_blocks or s.full_period:
         raise ValueError("--block-size, --topk-blocks and --full-period apply to --arch hysparse only")
-    return convert.PlanOptions()
+    return convert.PlanOptions(num_self_layers=s.num_self_layers)
 
 
 def measure(teacher_dir: str | Path, arch: str, windows: list[torch.Tensor], s: Settings | None = None) -> dict:
@@ -549,6 +552,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--contexts", type=_ints, default=CONTEXTS, help="context lengths of the KV-bytes trade")
     p.add_argument("--ridge", type=float, default=1e-4, help="ridge strength of the fits, relative to the "
                    "input's power")
+    p.add_argument("--num-self-layers", type=int, help="hysparse2: self-decoder depth (default: the converter's, "
+                   "half the layers as in the papers); the cross full layers follow the converter's default blocks")
     return p
 
 
@@ -564,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings(block_size=args.block_size, topk_blocks=args.topk_blocks, full_period=args.full_period,
                         kv_weight=args.kv_weight, windows=args.windows, mass_threshold=args.mass_threshold,
                         min_window=args.min_window, count_first_token=args.count_first_token,
-                        contexts=args.contexts, ridge=args.ridge)
+                        contexts=args.contexts, ridge=args.ridge, num_self_layers=args.num_self_layers)
     try:
         if args.tokens < args.seq_len:
             raise ValueError(f"--tokens {args.tokens} is less than one window of --seq-len {args.seq_len}")
