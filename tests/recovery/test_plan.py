@@ -316,7 +316,9 @@ def test_plan_cli_errors_are_one_line(checkpoints, tmp_path, capsys):
     assert plan.main([*base, "--arch", "hysparse", "--calibrate", str(tmp_path / "missing.txt")]) == 2
     _one_error_line(capsys, "missing.txt")
     assert plan.main([*base, "--arch", "hysparse", "--num-self-layers", "3"]) == 2
-    _one_error_line(capsys, "--num-self-layers applies to --arch hysparse2 only")
+    _one_error_line(capsys, "--num-self-layers and --cross-full-layers apply to --arch hysparse2 only")
+    assert plan.main([*base, "--arch", "hysparse2", "--cross-full-layers", "1"]) == 2
+    _one_error_line(capsys, "cross-full-layers")
     assert plan.main([*base, "--arch", "hysparse2", "--num-self-layers", "99"]) == 2
     _one_error_line(capsys, "--num-self-layers must be in")
     assert not (tmp_path / "p.json").exists()
@@ -334,3 +336,8 @@ def test_hysparse2_plan_at_another_split(checkpoints, tmp_path):
     best = min(report["bridges"], key=lambda b: b["cost"])["source"]
     assert opts["bridge_sources"] == [best] and opts["self_full_layers"] == [best]
     assert report["command"].endswith("--min-window 8") and "--num-self-layers 4" in report["command"]
+    assert plan.main(["--teacher", str(checkpoints["teacher"]), "--arch", "hysparse2", "--out", str(out),
+                      "--num-self-layers", "3", "--cross-full-layers", "3,5", *SMALL]) == 0
+    report = json.loads(out.read_text())
+    assert report["options"]["cross_full_layers"] == [3, 5] and len(report["options"]["bridge_sources"]) == 2
+    assert all(set(b["k_error"]) == {"3", "5"} for b in report["bridges"])

@@ -376,6 +376,7 @@ class Settings:
     contexts: tuple[int, ...] = CONTEXTS
     ridge: float = 1e-4
     num_self_layers: int | None = None  # hysparse2: the self / cross split (None: the converter's, the papers' half)
+    cross_full_layers: tuple[int, ...] | None = None  # hysparse2 (None: the converter's blocks of [full, sparse x 5])
 
 
 def _matrix(m: torch.Tensor) -> list[list[float | None]]:
@@ -479,12 +480,13 @@ PLANNERS = {"hysparse": plan_hysparse, "hysparse2": plan_hysparse2}
 
 def _default_options(arch: str, s: Settings) -> convert.PlanOptions:
     if arch == "hysparse":
-        if s.num_self_layers is not None:
-            raise ValueError("--num-self-layers applies to --arch hysparse2 only")
+        if s.num_self_layers is not None or s.cross_full_layers is not None:
+            raise ValueError("--num-self-layers and --cross-full-layers apply to --arch hysparse2 only")
         return convert.PlanOptions(block_size=s.block_size, topk_blocks=s.topk_blocks, full_period=s.full_period)
     if s.block_size or s.topk_blocks or s.full_period:
         raise ValueError("--block-size, --topk-blocks and --full-period apply to --arch hysparse only")
-    return convert.PlanOptions(num_self_layers=s.num_self_layers)
+    cross = None if s.cross_full_layers is None else list(s.cross_full_layers)
+    return convert.PlanOptions(num_self_layers=s.num_self_layers, cross_full_layers=cross)
 
 
 def measure(teacher_dir: str | Path, arch: str, windows: list[torch.Tensor], s: Settings | None = None) -> dict:
@@ -554,6 +556,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "input's power")
     p.add_argument("--num-self-layers", type=int, help="hysparse2: self-decoder depth (default: the converter's, "
                    "half the layers as in the papers); the cross full layers follow the converter's default blocks")
+    p.add_argument("--cross-full-layers", type=_ints, help="hysparse2: the cross-decoder's full layers, e.g. "
+                   "24,27 (default: the converter's blocks of [full, sparse x 5]); each costs a full-length cache")
     return p
 
 
@@ -569,7 +573,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings(block_size=args.block_size, topk_blocks=args.topk_blocks, full_period=args.full_period,
                         kv_weight=args.kv_weight, windows=args.windows, mass_threshold=args.mass_threshold,
                         min_window=args.min_window, count_first_token=args.count_first_token,
-                        contexts=args.contexts, ridge=args.ridge, num_self_layers=args.num_self_layers)
+                        contexts=args.contexts, ridge=args.ridge, num_self_layers=args.num_self_layers,
+                        cross_full_layers=args.cross_full_layers)
     try:
         if args.tokens < args.seq_len:
             raise ValueError(f"--tokens {args.tokens} is less than one window of --seq-len {args.seq_len}")
