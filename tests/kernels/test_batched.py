@@ -20,11 +20,11 @@ from csrc_triton.token_oracle.batched import select_tokens, token_oracle_attenti
 from csrc_triton.token_oracle.naive import select_tokens as select_tokens_naive
 from csrc_triton.token_sparse import token_sparse_attention_naive
 from csrc_triton.token_sparse.batched import token_sparse_attention_batched
-from tests.kernels import test_block_sparse as bs
-from tests.kernels import test_oracle as orc
-from tests.kernels import test_token_oracle as tor
-from tests.kernels import test_token_sparse as ts
-from tests.kernel_utils import DEVICE, nan_like, nan_out
+from tests.kernel_utils import DEVICE, dense_causal, nan_like, nan_out
+from tests.kernels import block_sparse_cases as bs
+from tests.kernels import oracle_cases as orc
+from tests.kernels import token_oracle_cases as tor
+from tests.kernels import token_sparse_cases as ts
 
 
 @pytest.fixture(params=["cpp", "masked", "gathered"])
@@ -122,7 +122,7 @@ def test_select_tokens_matches_sorting(topk, window):
     assert torch.equal(got, want.long())
 
 
-# family -> (its test module, random selection of a batch, naive twin, batched twin)
+# family -> (its case module, random selection of a batch, naive twin, batched twin)
 SPARSE = {
     "block": (bs, lambda b, c, seed: bs.random_blocks(b, c.num_kv_heads, c.block_size, c.topk, seed=seed),
               block_sparse_attention_naive, block_sparse_attention_batched),
@@ -152,7 +152,7 @@ def test_block_sparse_all_blocks_is_dense_causal(prefill_path):
     case = bs.CASES[4]
     batch, q, sinks = bs.make_inputs(case, torch.float32, seed=3)
     ids = bs.all_blocks(batch, case.num_kv_heads, case.block_size)
-    ref = bs.dense_causal(batch, q, case.head_dim ** -0.5, sinks).float().to(DEVICE)
+    ref = dense_causal(batch, q, case.head_dim ** -0.5, sinks).float().to(DEVICE)
     got = bs.run(block_sparse_attention_batched, batch, q, ids, case, sinks, out=nan_like(q))
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 

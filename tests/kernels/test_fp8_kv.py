@@ -25,11 +25,11 @@ from csrc_triton.token_oracle import token_oracle_attention, token_oracle_attent
 from csrc_triton.token_oracle.batched import token_oracle_attention_batched
 from csrc_triton.token_sparse import token_sparse_attention, token_sparse_attention_naive
 from csrc_triton.token_sparse.batched import token_sparse_attention_batched
-from tests.kernels import test_block_sparse as bs
-from tests.kernels import test_oracle as orc
-from tests.kernels import test_token_oracle as tor
-from tests.kernels import test_token_sparse as ts
 from tests.kernel_utils import nan_out
+from tests.kernels import block_sparse_cases as bs
+from tests.kernels import oracle_cases as orc
+from tests.kernels import token_oracle_cases as tor
+from tests.kernels import token_sparse_cases as ts
 from vllm_hysparse.attention.paged import FP8_MAX, to_cache
 
 
@@ -110,7 +110,7 @@ def test_token_oracle(case, path):
     tor.check_against_naive(case, torch.float32, "max", got, ref, ref_batch, q)
 
 
-# family -> (test module, selection, naive, Triton, batched)
+# family -> (case module, selection, naive, Triton, batched)
 SPARSE = {
     "block": (bs, lambda b, c: bs.random_blocks(b, c.num_kv_heads, c.block_size, c.topk, seed=23),
               block_sparse_attention_naive, block_sparse_attention, block_sparse_attention_batched),

@@ -11,13 +11,13 @@ import torch
 
 from csrc_triton.oracle import oracle_attention_naive
 from csrc_triton.oracle.batched import oracle_attention_batched, tiled_kernel
-from tests.kernels import test_oracle as orc
-from tests.kernels.conftest import Case, nan_like
+from tests.kernel_utils import Case, nan_like
+from tests.kernels import oracle_cases as orc
 
 POISON = 12345
-# cases of test_oracle whose caches are vLLM's interleaved pages (the layout the kernel reads), and more:
-# chunked prefill runs of several requests (GQA 12/4, the `small` preset's shape), a tile of 16 rows
-# split over requests, MQA, a block shorter than a key tile and one longer than a page
+# cases of the oracle tests (`oracle_cases`) whose caches are vLLM's interleaved pages (the layout the kernel
+# reads), and more: chunked prefill runs of several requests (GQA 12/4, the `small` preset's shape), a tile of
+# 16 rows split over requests, MQA, a block shorter than a key tile and one longer than a page
 CASES = [c for c in orc.CASES + [orc.DECODE, orc.LONG] if c.layout == "hnd"] + [
     Case([37, 1, 50, 1], [300, 129, 50, 2], num_heads=12, num_kv_heads=4, head_dim=64, block_size=64, topk=3,
              page_size=32, pad_tokens=3),

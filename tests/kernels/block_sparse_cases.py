@@ -1,0 +1,74 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Block-sparse cases: inputs (paged batch, strided q `[T, H, D]`, sinks `[H]`), `[T, G, k]` block ids, the call."""
+
+import torch
+
+from tests.kernel_utils import DEVICE, Case, make_paged_batch
+
+CASES = [
+    # prefill, chunked prefill and decode rows in one batch; lengths around block and page ends
+    Case([7, 1, 1, 4], [40, 33, 16, 64], pad_tokens=2),
+    # MQA; a block spans two pages; NHD physical layout
+    Case([5, 1, 3], [21, 80, 48], num_kv_heads=1, head_dim=64, page_size=8, layout="nhd"),
+    # two blocks share one page; more selected slots than visible blocks (padding -1)
+    Case([17, 1], [17, 129], page_size=32, topk=4),
+    # decode only, blocks of two pages
+    Case([1, 1, 1, 1], [1, 31, 32, 97], block_size=32, topk=2),
+    # 3 heads per group, head dim and block size not powers of two
+    Case([6, 1], [50, 100], num_heads=6, head_dim=80, block_size=48, topk=2, layout="nhd", pad_tokens=1),
+    # head dim 256 takes 32-key tiles: four tiles per 128-position block
+    Case([3, 1], [300, 200], num_heads=2, num_kv_heads=1, head_dim=256, block_size=128, topk=2),
+]
+
+# SPEC §2.6: a value head dim of its own (the papers' 192 / 128, scaled to interpreter sizes), both ways
+V_CASES = [
+    Case([7, 1, 1, 4], [40, 33, 16, 64], head_dim=48, head_dim_v=32, pad_tokens=2),
+    Case([5, 1, 3], [21, 80, 48], num_kv_heads=1, head_dim=32, head_dim_v=64, page_size=8, layout="nhd"),
+]
+
+
+def make_inputs(case: Case, dtype, seed=0):
+    batch = make_paged_batch(case.q_lens, case.seq_lens, num_kv_heads=case.num_kv_heads, head_dim=case.head_dim,
+                             page_size=case.page_size, dtype=dtype, seed=seed, layout=case.layout,
+                             pad_tokens=case.pad_tokens, head_dim_v=case.head_dim_v)
+    g = torch.Generator().manual_seed(seed + 1)
+    # a strided q: every other head of a wider projection output
+    q = torch.randn(batch.num_tokens, 2 * case.num_heads, case.head_dim, generator=g).to(dtype)[:, ::2]
+    sinks = torch.randn(case.num_heads, generator=g) + 1.0
+    return batch, q.to(DEVICE), sinks.to(DEVICE)
+
+
+def random_blocks(batch, num_kv_heads, block_size, topk, seed=0):
+    """`[T, G, topk]` int32: per row and group a random subset of the blocks up to the query, ascending, -1 padded.
+
+    Rows also pick, at random, blocks after the query but inside the sequence: the kernel must mask them.
+    """
+    g = torch.Generator().manual_seed(seed + 2)
+    ids = torch.full((batch.num_tokens, num_kv_heads, topk), -1, dtype=torch.int32)
+    seq_of_row = [s for q_len, s in zip(batch.q_lens, batch.seq_lens) for _ in range(q_len)]
+    for t, pos in enumerate(batch.positions()):
+        if pos < 0:
+            continue
+        num_blocks = pos // block_size + 1
+        if torch.rand((), generator=g) < 0.2:
+            num_blocks = -(-seq_of_row[t] // block_size)
+        for h in range(num_kv_heads):
+            n = int(torch.randint(0, min(topk, num_blocks) + 1, (), generator=g))
+            chosen = torch.randperm(num_blocks, generator=g)[:n].sort().values
+            ids[t, h, :n] = chosen.to(torch.int32)
+    return ids.to(DEVICE)
+
+
+def all_blocks(batch, num_kv_heads, block_size):
+    """`[T, G, max blocks]`: every block up to each query, ascending, -1 padded."""
+    width = max(-(-s // block_size) for s in batch.seq_lens)
+    ids = torch.full((batch.num_tokens, num_kv_heads, width), -1, dtype=torch.int32)
+    for t, pos in enumerate(batch.positions()):
+        if pos >= 0:
+            ids[t, :, : pos // block_size + 1] = torch.arange(pos // block_size + 1, dtype=torch.int32)
+    return ids.to(DEVICE)
+
+
+def run(fn, batch, q, ids, case, sinks, out=None):
+    return fn(q, batch.k_cache, batch.v_cache, batch.block_table, batch.query_start_loc, batch.seq_lens_t, ids,
+              scale=case.head_dim ** -0.5, sparse_block_size=case.block_size, sinks=sinks, out=out)
