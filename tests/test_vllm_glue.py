@@ -43,6 +43,7 @@ FORBIDDEN = {
         "the runner's metadata builders and block tables",
     r"\bKVSharingFastPrefillMetadata\b|\bget_attention_context\b": "reading the forward context's metadata",
     r"\.intermediate_tensors\s*=(?!=)": "the runner's pipeline receive buffers",
+    r"\b_bookkeeping_sync\b|\bdiscard_request_mask\b|\b[gs]et_offset\b": "the runner's sampling bookkeeping",
     r"\.worker_cls\s*=(?!=)|\b(disable|enable)_envs_cache\b": "engine configuration behind vLLM's back",
     r"\binit_entrypoints_middleware\b|vllm\.entrypoints\.launchers\b|\bsys\.modules\b": "the API server launcher",
     r"\bverify_token\b|\bcreate_error_response\b|\.engine_client\b": "the API server's private state and helpers",

@@ -314,7 +314,8 @@ def _sweep(server, arch, model, cases, what: str):
     # errors of the engine and its workers only.)
     engine_errors = [line for line in server.log.read_text(errors="replace").splitlines()
                      if ("(EngineCore" in line or "(Worker" in line) and " ERROR " in line]
-    assert server.proc.poll() is None and not engine_errors, "\n".join(engine_errors[:40])
+    assert (death := server.death()) is None, death
+    assert not engine_errors, "\n".join(engine_errors[:40])
 
 
 def _server_cases(server, rng):
@@ -384,9 +385,36 @@ def offline(request, tmp_path_factory):
 
     ckpt = write_checkpoint(tmp_path_factory.mktemp(f"offline-{request.param}") / "tiny", request.param, "tiny",
                             seed=41)
-    llm = make_llm(ckpt, enforce_eager=True, max_model_len=MAX_LEN)
+    # A token budget of half the prompt: every request's prefill spans two steps, so every value also meets the
+    # step whose sampled token vLLM discards (where a seeded request once killed the engine).
+    llm = make_llm(ckpt, enforce_eager=True, max_model_len=MAX_LEN, max_num_batched_tokens=MAX_LEN // 2)
     yield request.param, llm
     shutdown(llm)
+
+
+def test_seeded_sampling_is_the_same_however_the_prompt_is_chunked(offline):
+    """A seeded request whose prefill spans two steps samples what it samples in one (its prefix cached).
+
+    vLLM rewinds a seeded generator after a discarded draw by a CUDA Philox offset, which torch's CPU generator
+    lacks: the engine core died on the first such request (`vllm_glue.runner.CPUSeededSamplingMixin`).
+    """
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    arch, llm = offline
+    seed = random.SystemRandom().randrange(2**31)
+    print(f"\n[edge] seed {seed}")
+    prompt = TokensPrompt(prompt_token_ids=random_prompts([MAX_LEN - ROOM], VOCAB, seed=seed)[0])
+
+    def sample(s):
+        params = SamplingParams(seed=s, temperature=1.0, max_tokens=ROOM, ignore_eos=True)
+        return list(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
+
+    chunked = sample(seed)  # cold: two steps, the first one's draw discarded
+    cached = sample(seed)  # the prompt's blocks cached: one step
+    other = sample(seed + 1)
+    assert len(chunked) == ROOM and chunked == cached, (chunked, cached)
+    assert other != cached, "another seed gave the same tokens: this test cannot see a shifted random stream"
 
 
 @pytest.mark.timeout(600)  # a lost request hangs `LLM.generate`: fail rather than wait for the suite's limit

@@ -9,7 +9,7 @@ vLLM's own; only its model runner gains `PICRunnerMixin`.
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from vllm_hysparse.pic.runner import PICRunnerMixin
-from vllm_hysparse.vllm_glue.runner import ensure_intermediate_tensors, mix_into_runner
+from vllm_hysparse.vllm_glue.runner import CPUSeededSamplingMixin, ensure_intermediate_tensors, mix_into_runner
 
 
 def enable_pic(runner) -> None:
@@ -21,6 +21,7 @@ class HySparseCPUWorker(CPUWorker):
     def init_device(self):
         super().init_device()
         enable_pic(self.model_runner)
+        mix_into_runner(self.model_runner, CPUSeededSamplingMixin)
 
     def compile_or_warm_up_model(self):
         times = super().compile_or_warm_up_model()

@@ -11,7 +11,7 @@ file each depends on. The rest of the plugin calls these functions and never
 patches vLLM, swaps its classes, writes its tables or reads its private state
 itself (tests/test_vllm_glue.py checks that).
 
-`vllm_0_33.md` beside this file records which touch points still hold in vLLM 0.33.0 (all 24; one changes
+`vllm_0_33.md` beside this file records which touch points still hold in vLLM 0.33.0 (all 25; one changes
 behaviour) and what else 0.33 breaks.
 
 Importing this package imports nothing from vLLM (the plugin's import stays
@@ -78,6 +78,10 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
                "vllm.v1.worker.gpu_model_runner:GPUModelRunner._model_forward",
                "swaps the runner instance's __class__ for a subclass with PICRunnerMixin "
                "(which overrides execute_model and _model_forward)"),
+    TouchPoint("runner.CPUSeededSamplingMixin", "v1/worker/gpu_model_runner.py",
+               "vllm.v1.worker.gpu_model_runner:GPUModelRunner._bookkeeping_sync",
+               "overrides sample_tokens / _bookkeeping_sync: saves and restores the CPU generators of the step's "
+               "discarded draws (discard_request_mask, input_batch.generators) around vLLM's CUDA-only rewind"),
     TouchPoint("runner.ensure_intermediate_tensors", "v1/worker/gpu_model_runner.py",
                "vllm.v1.worker.gpu_model_runner:GPUModelRunner.intermediate_tensors",
                "allocates a later pipeline stage's receive buffers that vLLM's CPU worker skips"),

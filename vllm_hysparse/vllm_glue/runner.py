@@ -24,7 +24,46 @@ def mix_into_runner(runner, mixin: type) -> None:
     """
     cls = type(runner)
     if not issubclass(cls, mixin):
-        runner.__class__ = type(f"PIC{cls.__name__}", (mixin, cls), {})
+        runner.__class__ = type(f"{mixin.__name__.removesuffix('Mixin')}{cls.__name__}", (mixin, cls), {})
+
+
+class CPUSeededSamplingMixin:
+    """A seeded request's random stream on CPU, whatever the chunking of its prompt (mixed into the runner).
+
+    In a step where a request's prompt is only partly computed (chunked prefill, or a batch over the token
+    budget), vLLM samples a token for it anyway and discards it, then rewinds that request's generator so the
+    discarded draw leaves no trace: `gen.set_offset(gen.get_offset() - 4)` in `_bookkeeping_sync`
+    (vllm/v1/worker/gpu_model_runner.py), offsets of CUDA's Philox generator. torch's CPU generator (MT19937)
+    has no offset and raises, and the exception kills the engine core: any request with a `seed` whose
+    prefill spans steps shut the server down. Here the state of each such generator is saved before sampling
+    (`sample_tokens`) and restored after it, and vLLM's rewind does not see those generators.
+    """
+
+    _cpu_generator_states: dict = {}
+
+    def sample_tokens(self, grammar_output):
+        batch = self.input_batch
+        discarded = np.nonzero(self.discard_request_mask.np[:batch.num_reqs])[0]
+        self._cpu_generator_states = {
+            int(i): gen.get_state() for i in discarded
+            if (gen := batch.generators.get(int(i))) is not None and gen.device.type == "cpu"}
+        try:
+            return super().sample_tokens(grammar_output)
+        finally:
+            self._cpu_generator_states = {}
+
+    def _bookkeeping_sync(self, *args, **kwargs):
+        saved = self._cpu_generator_states
+        if not saved:
+            return super()._bookkeeping_sync(*args, **kwargs)
+        generators = self.input_batch.generators
+        hidden = {i: generators.pop(i) for i in saved}
+        for i, gen in hidden.items():
+            gen.set_state(saved[i])
+        try:
+            return super()._bookkeeping_sync(*args, **kwargs)
+        finally:
+            generators.update(hidden)
 
 
 def ensure_intermediate_tensors(runner) -> None:
