@@ -28,6 +28,8 @@ def tiny_server(tmp_path_factory):
                 ckpt = write_checkpoint(root / "tiny", arch, "tiny", seed=CKPT_SEED)
                 servers[arch] = stack.enter_context(serve(
                     ckpt, root / "serve.log", "--enforce-eager", "--max-model-len", str(MAX_LEN), api_key=API_KEY))
+            if (death := servers[arch].death()) is not None:
+                pytest.fail(f"the shared {arch} server is gone before this test: {death}", pytrace=False)
             return servers[arch]
 
         yield get

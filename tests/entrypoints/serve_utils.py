@@ -3,6 +3,7 @@
 
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -78,6 +79,19 @@ class Server:
 
     def log_tail(self, n: int = 4000) -> str:
         return self.log.read_text(errors="replace")[-n:]
+
+    def death(self) -> str | None:
+        """None while the server runs; else how it ended (exit status or signal, the memory left on the machine,
+        the end of its log): a shared server found dead must name why, not leave the next test a refused
+        connection."""
+        rc = self.proc.poll()
+        if rc is None:
+            return None
+        how = f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exited with status {rc}"
+        meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+        available = meminfo.get("MemAvailable", "?").strip()
+        return (f"vllm serve on port {self.port} {how} (MemAvailable now {available}); its log ends:\n"
+                + self.log_tail())
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after 60 s; idempotent."""
