@@ -5,7 +5,7 @@
         --run "HySparse, LoRA 512 (copy)=benchmarks/results/smollm2/recovery/hysparse_2026-12-01_lora512.json" \\
         --run "HySparse, stage 0 + full rank + T2 + hidden, 2k windows=deltas/smollm2-hysparse/recovery.json"
 
-Every point is a held-out evaluation the run recorded (`recovery.train.HeldOut`: the same Python-docs windows in
+Every point is a held-out evaluation the run recorded (`recovery.distill.HeldOut`: the same Python-docs windows in
 every run), against process CPU minutes (all threads) since the run began. Writes `<out>.md` (a table: first and
 last point of each stage, and the KL reached by a few CPU budgets), `<out>.json` and `<out>.png`.
 """

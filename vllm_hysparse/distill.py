@@ -1,119 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Adapt a converted student to its dense teacher: KL(teacher ‖ student) on logits (SPEC §5).
+"""The old entry point of KL distillation, kept so that existing command lines and imports work.
 
-    python -m vllm_hysparse.distill --teacher teacher/ --student student/ --text train.txt --out distilled/
+    python -m vllm_hysparse.distill ARGS   is   python -m vllm_hysparse.recovery distill ARGS
 
-The student is the reference model with every switch on (the real
-architecture) and autograd; the teacher is frozen. Runs on CPU for tiny
-models and on a GPU when one is present (`--device`). The held-out KL is
-printed before and after, and the adapted checkpoint is written like any
-other (config, safetensors, tokenizer), ready for `python -m vllm_hysparse.validate`.
+The code is `vllm_hysparse.recovery.distill`; its names are re-exported here.
 """
 
-import argparse
 import sys
-from pathlib import Path
 
-import torch
-from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
-import vllm_hysparse  # noqa: F401  (registers our configs and models)
-from vllm_hysparse.tools.staging import staged_output
-
-
-def kl_divergence(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
-    """Mean over rows of KL(teacher ‖ student); logits `[B, T, V]`."""
-    t = torch.log_softmax(teacher_logits.float(), -1)
-    s = torch.log_softmax(student_logits.float(), -1)
-    return (t.exp() * (t - s)).sum(-1).mean()
-
-
-def split_windows(ids: list[int], seq_len: int, heldout: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(`[N, seq_len]` training windows, `[heldout, seq_len]` evaluation windows from the end)."""
-    n = len(ids) // seq_len
-    if n < heldout + 1:
-        raise ValueError(f"the text gives {n} windows of {seq_len} tokens; need at least {heldout + 1}")
-    windows = torch.tensor(ids[: n * seq_len]).view(n, seq_len)
-    return windows[: n - heldout], windows[n - heldout:]
-
-
-@torch.no_grad()
-def heldout_kl(teacher, student, windows: torch.Tensor, device) -> float:
-    student.eval()
-    total = sum(float(kl_divergence(teacher(w[None].to(device)).logits, student(w[None].to(device)).logits))
-                for w in windows)
-    return total / len(windows)
-
-
-def distill(teacher, student, train: torch.Tensor, heldout: torch.Tensor, *, steps: int, lr: float,
-            batch_size: int, device, seed: int = 0) -> dict:
-    """Train `student` in place; returns the held-out KL before and after and the loss curve."""
-    gen = torch.Generator().manual_seed(seed)
-    before = heldout_kl(teacher, student, heldout, device)
-    optimizer = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
-    losses = []
-    for step in tqdm(range(steps), desc="distill", unit="step"):
-        student.train()
-        batch = train[torch.randint(len(train), (batch_size,), generator=gen)].to(device)
-        with torch.no_grad():
-            target = teacher(batch).logits
-        loss = kl_divergence(target, student(batch, use_cache=False).logits)
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
-        optimizer.step()
-        # Warm-up free cosine decay: short runs on small models.
-        for group in optimizer.param_groups:
-            group["lr"] = lr * 0.5 * (1 + torch.cos(torch.tensor((step + 1) / steps * torch.pi)).item())
-        losses.append(float(loss))
-    return {"heldout_kl_before": before, "heldout_kl_after": heldout_kl(teacher, student, heldout, device),
-            "steps": steps, "losses": losses}
-
-
-def save(student, tokenizer_dir: str, out: Path, force: bool) -> None:
-    """Write through a temporary directory (`tools.staging`); never replaces a non-empty `out` without `force`."""
-    if out.exists() and any(out.iterdir()) and not force:
-        raise FileExistsError(f"{out} exists and is not empty; pass --force to replace it")
-    with staged_output(out) as tmp:
-        student.save_pretrained(tmp)
-        AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp)
+from vllm_hysparse.recovery.distill import HeldOut, distill, kl_divergence, save, split_windows  # noqa: F401
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--teacher", required=True)
-    parser.add_argument("--student", required=True, help="converted HySparse / HySparse2 checkpoint")
-    parser.add_argument("--text", required=True, help="training text; its last windows are held out")
-    parser.add_argument("--out", required=True, help="directory for the adapted student")
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--lr", type=float, default=3e-4)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--heldout-windows", type=int, default=2)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--force", action="store_true")
-    args = parser.parse_args(argv)
-    try:
-        torch.manual_seed(args.seed)
-        tokenizer = AutoTokenizer.from_pretrained(args.student)
-        text = Path(args.text).read_text(encoding="utf-8", errors="replace")
-        train, heldout = split_windows(tokenizer(text, add_special_tokens=False).input_ids, args.seq_len,
-                                       args.heldout_windows)
-        teacher = AutoModelForCausalLM.from_pretrained(args.teacher, dtype=torch.float32).to(args.device).eval()
-        student = AutoModelForCausalLM.from_pretrained(args.student, dtype=torch.float32).to(args.device)
-        if getattr(student.config, "model_type", None) not in ("hysparse", "hysparse2"):
-            raise ValueError(f"--student must be a hysparse or hysparse2 checkpoint (got {student.config.model_type})")
-        result = distill(teacher, student, train, heldout, steps=args.steps, lr=args.lr,
-                         batch_size=args.batch_size, device=args.device, seed=args.seed)
-        save(student, args.student, Path(args.out), args.force)
-    except (OSError, ValueError, FileExistsError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"held-out KL(teacher ‖ student): {result['heldout_kl_before']:.4f} -> {result['heldout_kl_after']:.4f} "
-          f"after {args.steps} steps; wrote {args.out}")
-    return 0
+    from vllm_hysparse.recovery.__main__ import main as recovery_main
+
+    return recovery_main(["distill", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

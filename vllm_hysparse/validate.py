@@ -34,10 +34,10 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import vllm_hysparse  # noqa: F401  (registers our configs and models)
-from vllm_hysparse.recovery.fast_ops import fast_reference_ops
-from vllm_hysparse.reference import ops
-from vllm_hysparse.reference.modeling_hysparse import HySparseSparseAttention
+from vllm_hysparse.reference.evaluation import cut_windows, kl_rows
+from vllm_hysparse.reference.fast_ops import fast_reference_ops
 from vllm_hysparse.reference.modeling_hysparse2 import CrossSparseAttention
+from vllm_hysparse.reference.probes import SELECTION
 
 # SPEC §5: switches enabled one at a time, cumulatively, starting from the dense student.
 STAGES = {
@@ -112,67 +112,10 @@ class StageResult:
 def token_windows(tokenizer, text: str, seq_len: int, max_windows: int) -> list[torch.Tensor]:
     """Non-overlapping `[1, seq_len]` windows of the tokenized text."""
     ids = tokenizer(text, add_special_tokens=False).input_ids
-    n = min(len(ids) // seq_len, max_windows)
-    if n == 0:
+    windows = cut_windows(ids, seq_len)[:max(max_windows, 0)]
+    if len(windows) == 0:
         raise ValueError(f"the text has {len(ids)} tokens, fewer than one window of --seq-len {seq_len}")
-    return [torch.tensor([ids[i * seq_len:(i + 1) * seq_len]]) for i in range(n)]
-
-
-def _coverage(p: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
-    """Mass `[B, H, T]` that probabilities p `[B, H, T, Tk]` put on the selected keys (bool, same shape)."""
-    return (p * selected).sum(-1)
-
-
-def _recall(used: torch.Tensor, own: torch.Tensor, size: int) -> torch.Tensor:
-    """Share `[B, T, G]` of `own` ids (-1 padded) also in `used` ids."""
-    used_mask, own_mask = ops.ids_to_mask(used, size), ops.ids_to_mask(own, size)
-    return (used_mask & own_mask).sum(-1) / own_mask.sum(-1).clamp_min(1)
-
-
-def hysparse_selection(attn: HySparseSparseAttention, args) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(coverage `[B, H, T]`, recall `[B, T, G]`) of one HySparse sparse layer, from its forward's inputs.
-
-    Coverage is the mass the layer's own dense attention (its query against its own `swa_k_proj` keys) puts
-    on the blocks its global branch uses; differentiable, so recovery can train on it. None without selection.
-    """
-    x, positions, rope, _cache, shared, switches = args
-    if not switches.sparse_selection:
-        return None
-    cfg, d = attn.config, attn.config.head_dim
-    q = attn.q_proj(x).view(*x.shape[:2], -1, d)
-    k = attn.swa_k_proj(x).view(*x.shape[:2], -1, d)
-    if cfg.qk_norm:
-        q, k = attn.q_norm(q), attn.swa_k_norm(k)
-    q, k = rope(q, positions), rope(k, positions)
-    with torch.no_grad():
-        own = ops.oracle_block_topk(q, k, attn.scale, cfg.sparse_block_size, cfg.sparse_topk_blocks)
-    used = shared["block_ids"] if switches.kv_sharing else own
-    nb = -(-k.shape[1] // cfg.sparse_block_size)
-    keys = ops.ids_to_mask(used, nb).repeat_interleave(cfg.sparse_block_size, -1)[..., :k.shape[1]]
-    keys = keys.repeat_interleave(q.shape[2] // k.shape[2], dim=2).permute(0, 2, 1, 3)
-    p = ops.sink_softmax(ops.attention_logits(q, k, attn.scale), None)
-    return _coverage(p, keys), _recall(used, own, nb)
-
-
-def hysparse2_selection(attn: CrossSparseAttention, args) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(coverage `[B, H, T]`, recall `[B, T, G]`) of one HySparse2 cross sparse layer over its cross full
-    layer's cache (its own K/V with cross KV sharing off); None without token selection."""
-    x, positions, ctx = args
-    if not ctx.switches.token_selection:
-        return None
-    cfg = attn.config
-    q = ctx.rope(attn.query(x), positions)
-    k = ctx.shared["k"] if ctx.switches.cross_kv_sharing else attn.project_own_kv(x, positions, ctx)[0]
-    used = ctx.shared["token_ids"]
-    with torch.no_grad():
-        own = ops.token_topk(q, k, attn.scale, cfg.sparse_topk_tokens, cfg.recent_window, cfg.score_head_reduce,
-                             positions=positions)
-    keys = ops.ids_to_mask(used, k.shape[1]).repeat_interleave(q.shape[2] // k.shape[2], dim=2).permute(0, 2, 1, 3)
-    p = ops.sink_softmax(ops.attention_logits(q, k, attn.scale, positions), None)
-    return _coverage(p, keys), _recall(used, own, k.shape[1])
-
-
-SELECTION = {HySparseSparseAttention: hysparse_selection, CrossSparseAttention: hysparse2_selection}
+    return [w[None].clone() for w in windows]
 
 
 def _probe(attn, args, stats: LayerStats) -> None:
@@ -283,7 +226,7 @@ def evaluate_stage(teacher_runs, student, windows, name: str, switches: dict, te
 def _accumulate(result: StageResult, out, t_logits, t_hidden, ids) -> None:
     s_logp = torch.log_softmax(out.logits.double(), -1)
     t_logp = torch.log_softmax(t_logits.double(), -1)
-    result.kl += float((t_logp.exp() * (t_logp - s_logp)).sum(-1).sum())
+    result.kl += float(kl_rows(t_logp, s_logp).sum())
     result.top1 += int((s_logp.argmax(-1) == t_logp.argmax(-1)).sum())
     targets = ids[:, 1:]
     result.nll -= float(s_logp[:, :-1].gather(-1, targets.unsqueeze(-1)).sum())
@@ -325,7 +268,7 @@ def coverage_by_position(config, layers: dict) -> dict[int, float]:
 
 def validate(teacher_dir: str, student_dir: str, text: str, seq_len: int = 256, max_windows: int = 4,
              fused: bool = False, final_only: bool = False) -> dict:
-    """The switch-by-switch report. `fused` runs the models' attention through `recovery.fast_ops`
+    """The switch-by-switch report. `fused` runs the models' attention through `reference.fast_ops`
     (the same math on fused attention, checked against the reference ops by its tests): much faster
     on long windows; the coverage and recall probes always use the reference ops. `final_only`
     evaluates the last stage alone (the real architecture), for long windows where every stage costs."""

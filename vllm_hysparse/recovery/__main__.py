@@ -6,11 +6,17 @@
     python -m vllm_hysparse.recovery apply --base converted/ --delta delta/ --out recovered/
     python -m vllm_hysparse.recovery init --teacher dense/ --student converted/ --out initialised/ \\
         [--calibrate TEXT] [--tokens 4096]
+    python -m vllm_hysparse.recovery distill --teacher dense/ --student converted/ --text train.txt \\
+        --out distilled/ [--steps 100]
 
 `init` is stage 0 (`recovery.init`): closed-form fits from teacher
 activations, folded into the converted checkpoint's own tensors; its report
 goes to `initialised/init.json`. Train from the initialised checkpoint as the
 delta's base.
+
+`distill` is plain KL distillation of the whole student on a text, a fixed
+number of steps, written as a full checkpoint (`recovery.distill`; formerly
+`python -m vllm_hysparse.distill`, which still forwards here).
 
 `train --init` runs stage 0 in memory first and the delta carries its record,
 so the delta's base stays the converted checkpoint.
@@ -38,11 +44,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 import vllm_hysparse  # noqa: F401  (registers our configs and models)
-from vllm_hysparse.distill import save as save_checkpoint
-from vllm_hysparse.recovery import corpus
+from vllm_hysparse.recovery import corpus, distill
+from vllm_hysparse.recovery.distill import HeldOut
+from vllm_hysparse.recovery.distill import save as save_checkpoint
 from vllm_hysparse.recovery.init import INIT_PREFIX, STEP_ORDER, initialise, initialise_checkpoint
 from vllm_hysparse.recovery.lora import apply_delta, attach_lora, base_digest, converted_linears, delta_state
-from vllm_hysparse.recovery.train import Clock, HeldOut, end_to_end, local_transfer
+from vllm_hysparse.recovery.train import Clock, end_to_end, local_transfer
+from vllm_hysparse.reference.evaluation import cut_windows
 from vllm_hysparse.tools.staging import staged_output
 
 DELTA_FILE, REPORT_FILE, INIT_REPORT, BASE_CONFIG = "delta.safetensors", "recovery.json", "init.json", "base_config.json"
@@ -51,11 +59,12 @@ DELTA_FILE, REPORT_FILE, INIT_REPORT, BASE_CONFIG = "delta.safetensors", "recove
 def windows_of(tokenizer, text: str, seq_len: int, count: int) -> list[torch.Tensor]:
     """Up to `count` non-overlapping `[1, seq_len]` windows, spread evenly over the text."""
     ids = tokenizer(text, add_special_tokens=False).input_ids
-    n = len(ids) // seq_len
+    windows = cut_windows(ids, seq_len)
+    n = len(windows)
     if n == 0:
         raise ValueError(f"the text has {len(ids)} tokens, fewer than one window of {seq_len}")
     picks = sorted({round(i * (n - 1) / max(count - 1, 1)) for i in range(min(count, n))})
-    return [torch.tensor([ids[i * seq_len:(i + 1) * seq_len]]) for i in picks]
+    return [windows[i][None].clone() for i in picks]
 
 
 def load_student(path: str, device):
@@ -234,7 +243,13 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--steps", default="bridges,kv_maps,gates", help="comma-separated init steps, in order")
     i.add_argument("--train-chars", type=int, default=400_000)
     i.add_argument("--seed", type=int, default=0)
+    d = sub.add_parser("distill", help="KL distillation of the whole student on a text, for a number of steps",
+                       description=distill.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    distill.add_arguments(d)
     args = parser.parse_args(argv)
+    if args.command == "distill":
+        # As `python -m vllm_hysparse.distill` always ran: its own errors, transformers' loading bars left on.
+        return distill.run(args)
     # Errors are one line on stderr; transformers' per-checkpoint loading bars would bury them.
     hf_logging.disable_progress_bar()
     try:

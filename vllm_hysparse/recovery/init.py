@@ -47,11 +47,11 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_hysparse.recovery.fast_ops import fast_reference_ops
 from vllm_hysparse.recovery.folds import (INIT_PREFIX, Record, apply_init, fold_query_map, fold_rows,  # noqa: F401
                                           fold_value_map, init_key, permute_heads)
 from vllm_hysparse.recovery.local import teacher_activations
 from vllm_hysparse.reference import ops
+from vllm_hysparse.reference.fast_ops import fast_reference_ops
 
 HOLDOUT_FRACTION = 0.25
 # The steps, in the order they are fitted and applied, and the architectures each applies to.

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from vllm_hysparse.distill import kl_divergence
-from vllm_hysparse.recovery.fast_ops import fast_reference_ops
-from vllm_hysparse.recovery.local import TeacherForced, relative_mse, teacher_activations, _layer_of
+from vllm_hysparse.recovery.distill import HeldOut, kl_divergence
+from vllm_hysparse.recovery.local import TeacherForced, _layer_of, relative_mse, teacher_activations
 from vllm_hysparse.recovery.lora import converted_attention
-from vllm_hysparse.validate import SELECTION
+from vllm_hysparse.reference.fast_ops import fast_reference_ops
+from vllm_hysparse.reference.probes import SELECTION
 
 
 @dataclass
@@ -33,30 +33,6 @@ class Clock:
 
     def minutes(self) -> tuple[float, float]:
         return (time.perf_counter() - self.wall0) / 60, (time.process_time() - self.cpu0) / 60
-
-
-@dataclass
-class HeldOut:
-    """Held-out windows and the teacher's log-probabilities on them, computed once."""
-
-    windows: list[torch.Tensor]
-    teacher_logp: list[torch.Tensor]
-
-    @classmethod
-    @torch.no_grad()
-    def build(cls, teacher, windows: list[torch.Tensor]) -> "HeldOut":
-        return cls(windows, [torch.log_softmax(teacher(w, use_cache=False).logits.float(), -1) for w in windows])
-
-    @torch.no_grad()
-    def evaluate(self, student) -> dict:
-        """KL(teacher ‖ student) and top-1 agreement averaged over every held-out row."""
-        kl = top1 = rows = 0.0
-        for w, t in zip(self.windows, self.teacher_logp):
-            s = torch.log_softmax(student(w, use_cache=False).logits.float(), -1)
-            kl += float((t.exp() * (t - s)).sum(-1).sum())
-            top1 += float((t.argmax(-1) == s.argmax(-1)).sum())
-            rows += t.shape[0] * t.shape[1]
-        return {"heldout_kl": kl / rows, "heldout_top1": top1 / rows}
 
 
 WARMUP = 0.05  # share of a stage's budget over which the learning rate ramps up linearly

@@ -9,7 +9,7 @@ A per-head sink (a logit with no value) becomes one extra key: every query
 gets an extra dimension equal to 1, every real key a 0 there, and the sink key
 `sink / scale` there and 0 elsewhere, with a zero value; its logit is then
 exactly `sink`. `fast_reference_ops()` swaps them into `reference.ops` for a
-block of code (recovery training); tests check them against the originals,
+block of code (recovery training, `validate --fused-attention`); tests check them against the originals,
 outputs and gradients.
 """
 
