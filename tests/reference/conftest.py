@@ -2,6 +2,8 @@
 import pytest
 import torch
 
+from tests.recovery_utils import checkpoints  # noqa: F401  (the recovery tests' tiny teacher and students)
+
 
 @pytest.fixture(autouse=True)
 def _single_thread():

@@ -5,11 +5,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.recovery import conftest as recovery_fixtures
+from tests.recovery_utils import fixed_seed  # noqa: F401  (autouse: the recovery tests' per-test seeds)
 from vllm_hysparse.reference import fast_ops, ops
-
-# The recovery tests' tiny teacher and its conversions, and their per-test seeds (`torch.randint` below).
-checkpoints, fixed_seed = recovery_fixtures.checkpoints, recovery_fixtures.fixed_seed
 
 SHAPES = [(1, 40, 4, 2, 8), (2, 57, 6, 3, 16), (1, 33, 4, 1, 8)]  # B, T, H, G, D: GQA, batch, MQA
 
