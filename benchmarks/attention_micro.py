@@ -35,6 +35,7 @@ import csrc_triton.oracle.batched as oracle_batched
 from csrc_triton.block_sparse.batched import block_sparse_attention_batched
 from csrc_triton.oracle.batched import oracle_attention_batched
 from csrc_triton.paged_batch import make_plan
+from csrc_triton.testing import make_paged_batch
 from csrc_triton.token_oracle.batched import token_oracle_attention_batched
 from csrc_triton.token_sparse.batched import token_sparse_attention_batched
 from vllm_hysparse.metrics import pages_touched
@@ -56,15 +57,14 @@ def median_ms(fn, reps: int) -> float:
 
 
 def paged_batch(num_reqs, ctx, groups, dim, seed=0, q_len=1):
-    """Our logical page view `[pages, G, PAGE, 2D]` filled at random, a block table and the step's metadata
-    (`q_len` query rows per request, the last of its `ctx` positions)."""
-    g = torch.Generator().manual_seed(seed)
-    pages_per_req = -(-ctx // PAGE)
-    kv = torch.randn(num_reqs * pages_per_req + 1, groups, PAGE, 2 * dim, generator=g)
-    table = (torch.randperm(num_reqs * pages_per_req, generator=g) + 1).view(num_reqs, pages_per_req).to(torch.int32)
-    qsl = torch.arange(num_reqs + 1, dtype=torch.int32) * q_len
-    seq_lens = torch.full((num_reqs,), ctx, dtype=torch.int32)
-    return kv, table, qsl, seq_lens
+    """Our logical page view `[pages, G, PAGE, 2D]` (float32, one spare NaN page), a block table `[R, pages]`
+    and the step's metadata (`q_len` query rows per request, the last of its `ctx` positions): a thin view of
+    `csrc_triton.testing.make_paged_batch`, drawn over the whole cache (it seeds the global RNG with `seed`)."""
+    batch = make_paged_batch([q_len] * num_reqs, [ctx] * num_reqs, num_kv_heads=groups, head_dim=dim, page_size=PAGE,
+                             dtype=torch.float32, seed=seed, device="cpu", spare_pages=1, draw="whole_cache",
+                             dense=False)
+    table = batch.block_table[:, : -(-ctx // PAGE)].contiguous()  # without the column pointing at the spare page
+    return batch.kv, table, batch.query_start_loc, batch.seq_lens_t
 
 
 def vllm_dense(num_reqs, ctx, heads, groups, dim, reps, q_len=1):

@@ -34,9 +34,13 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:  # imported late at run time (`build_paged`, `kernels()`)
+    from csrc_triton.testing import PagedBatch
 
 RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
 # the budget counts from here (after the torch import)
@@ -154,29 +158,7 @@ def environment(device: torch.device) -> dict:
     return env
 
 
-# ---------------------------------------------------------------- paged batches
-
-@dataclass
-class Paged:
-    """A vLLM-style batch: request r's queries are the last q_lens[r] of its seq_lens[r] positions."""
-
-    q_lens: list
-    seq_lens: list
-    k_cache: torch.Tensor  # [pages, G, page_size, D], a view of one [pages, G, page_size, 2D] tensor
-    v_cache: torch.Tensor
-    block_table: torch.Tensor  # [R, max_pages + 1] int32, shuffled pages; unused entries point at a NaN page
-    query_start_loc: torch.Tensor  # [R + 1] int32
-    seq_lens_t: torch.Tensor  # [R] int32
-    pos: torch.Tensor  # [T] int64 position of every query row
-    req: torch.Tensor  # [T] int64 request of every query row
-
-    @property
-    def num_tokens(self) -> int:
-        return int(sum(self.q_lens))
-
-    def args(self, q):
-        return q, self.k_cache, self.v_cache, self.block_table, self.query_start_loc, self.seq_lens_t
-
+# ---------------------------------------------------------------- paged batches (`csrc_triton.testing.PagedBatch`)
 
 def resolve_lens(seq_lens, max_len: int, q_lens, seed: int) -> list[int]:
     """None entries become random lengths in [q_len, max_len]."""
@@ -184,33 +166,14 @@ def resolve_lens(seq_lens, max_len: int, q_lens, seed: int) -> list[int]:
     return [int(torch.randint(q, max_len + 1, (1,), generator=g)) if s is None else s for q, s in zip(q_lens, seq_lens)]
 
 
-def build_paged(q_lens, seq_lens, *, num_kv_heads, head_dim, page_size, dtype, device, seed=0) -> Paged:
-    """Random K/V in randomly permuted pages; slots past each sequence and the spare page hold NaN."""
-    torch.manual_seed(seed)
-    n_pages = [-(-s // page_size) for s in seq_lens]
-    spare = sum(n_pages)
-    kv = torch.empty((spare + 1, num_kv_heads, page_size, 2 * head_dim), dtype=dtype, device=device).normal_()
-    kv[spare] = float("nan")
-    order = torch.randperm(spare)
-    block_table = torch.full((len(seq_lens), max(n_pages) + 1), spare, dtype=torch.int32)
-    used = 0
-    for r, (n, s) in enumerate(zip(n_pages, seq_lens)):
-        block_table[r, :n] = order[used: used + n].to(torch.int32)
-        used += n
-        if s % page_size:
-            kv[int(block_table[r, n - 1]), :, s % page_size:] = float("nan")
-    qsl = torch.tensor([0] + list(q_lens), dtype=torch.int64).cumsum(0)
-    q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
-    req = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens_t)
-    pos = torch.arange(int(qsl[-1])) - qsl[req] + torch.tensor(seq_lens, dtype=torch.int64)[req] - q_lens_t[req]
-    return Paged(
-        q_lens=list(q_lens), seq_lens=list(seq_lens),
-        k_cache=kv[..., :head_dim], v_cache=kv[..., head_dim:],
-        block_table=block_table.to(device),
-        query_start_loc=qsl.to(torch.int32).to(device),
-        seq_lens_t=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        pos=pos.to(device), req=req.to(device),
-    )
+def build_paged(q_lens, seq_lens, *, num_kv_heads, head_dim, page_size, dtype, device, seed=0) -> "PagedBatch":
+    """`csrc_triton.testing.make_paged_batch` drawn over the whole cache on `device` (one spare NaN page, no dense
+    copy); it seeds the global RNG with `seed`, for the queries and indices drawn after it. Imported late, as
+    `kernels()` does, so a missing PYTHONPATH gets `main`'s message."""
+    from csrc_triton.testing import make_paged_batch
+
+    return make_paged_batch(q_lens, seq_lens, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
+                            dtype=dtype, seed=seed, device=device, spare_pages=1, draw="whole_cache", dense=False)
 
 
 def random_block_indices(pos, num_kv_heads, topk, block_size) -> torch.Tensor:
@@ -611,7 +574,7 @@ class Run:
         self.stem.with_suffix(".md").write_text(markdown_report(self.result))
 
     # --- shapes
-    def paged(self, q_lens, seq_lens, heads=None, seed=0) -> Paged:
+    def paged(self, q_lens, seq_lens, heads=None, seed=0) -> "PagedBatch":
         h = heads or (self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim)
         return build_paged(q_lens, seq_lens, num_kv_heads=h[1], head_dim=h[2], page_size=self.cfg.page_size,
                            dtype=self.dtype, device=self.device, seed=seed)
