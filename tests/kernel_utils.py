@@ -79,3 +79,19 @@ class TokenCase(Case):
 def dv_tag(case) -> str:
     """`-Dv<n>` in a case id when its value head dim is its own."""
     return "" if case.head_dim_v is None else f"-Dv{case.head_dim_v}"
+
+
+def make_case_inputs(case, dtype, seed: int = 0, sinks: bool = False):
+    """A kernel test case's paged batch and queries: `(batch, q [T, H, D] on DEVICE)`, plus `sinks [H]` with `sinks`.
+
+    `q` is strided (every other head of a wider projection output), as the models pass it; the sinks are drawn
+    after it from the same generator, so a case's inputs do not depend on which kernel asks for them.
+    """
+    batch = make_paged_batch(case.q_lens, case.seq_lens, num_kv_heads=case.num_kv_heads, head_dim=case.head_dim,
+                             page_size=case.page_size, dtype=dtype, seed=seed, layout=case.layout,
+                             pad_tokens=case.pad_tokens, head_dim_v=case.head_dim_v)
+    g = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(batch.num_tokens, 2 * case.num_heads, case.head_dim, generator=g).to(dtype)[:, ::2]
+    if not sinks:
+        return batch, q.to(DEVICE)
+    return batch, q.to(DEVICE), (torch.randn(case.num_heads, generator=g) + 1.0).to(DEVICE)

@@ -3,7 +3,7 @@
 
 import torch
 
-from tests.kernel_utils import DEVICE, Case, make_paged_batch
+from tests.kernel_utils import DEVICE, Case, make_case_inputs
 
 CASES = [
     # prefill, chunked prefill and decode rows in one batch; lengths around block and page ends
@@ -28,14 +28,7 @@ V_CASES = [
 
 
 def make_inputs(case: Case, dtype, seed=0):
-    batch = make_paged_batch(case.q_lens, case.seq_lens, num_kv_heads=case.num_kv_heads, head_dim=case.head_dim,
-                             page_size=case.page_size, dtype=dtype, seed=seed, layout=case.layout,
-                             pad_tokens=case.pad_tokens, head_dim_v=case.head_dim_v)
-    g = torch.Generator().manual_seed(seed + 1)
-    # a strided q: every other head of a wider projection output
-    q = torch.randn(batch.num_tokens, 2 * case.num_heads, case.head_dim, generator=g).to(dtype)[:, ::2]
-    sinks = torch.randn(case.num_heads, generator=g) + 1.0
-    return batch, q.to(DEVICE), sinks.to(DEVICE)
+    return make_case_inputs(case, dtype, seed, sinks=True)
 
 
 def random_blocks(batch, num_kv_heads, block_size, topk, seed=0):

@@ -3,7 +3,7 @@
 
 import torch
 
-from tests.kernel_utils import DEVICE, Case, make_paged_batch
+from tests.kernel_utils import Case, make_case_inputs
 
 CASES = [
     # prefill (q_len = seq_len), chunked prefill and two decodes; lengths B*k, B*k - 1, B + 1, 2B + 1
@@ -33,13 +33,7 @@ V_CASES = [
 
 
 def make_inputs(case: Case, dtype, seed=0):
-    batch = make_paged_batch(case.q_lens, case.seq_lens, num_kv_heads=case.num_kv_heads, head_dim=case.head_dim,
-                             page_size=case.page_size, dtype=dtype, seed=seed, layout=case.layout,
-                             pad_tokens=case.pad_tokens, head_dim_v=case.head_dim_v)
-    g = torch.Generator().manual_seed(seed + 1)
-    # a strided q: every other head of a wider projection output
-    q = torch.randn(batch.num_tokens, 2 * case.num_heads, case.head_dim, generator=g).to(dtype)[:, ::2]
-    return batch, q.to(DEVICE)
+    return make_case_inputs(case, dtype, seed, sinks=False)
 
 
 def run(fn, batch, q, case, out=None, **kwargs):
