@@ -769,8 +769,8 @@ def _layer_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated layer indices, e.g. 0,4,8 (got {text!r})")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--src", required=True, help="HF checkpoint (Llama, Qwen2, Qwen3, Mistral, Qwen3-MoE, "
                    "Qwen2-MoE), or a .gguf file of one (imported first, see vllm_hysparse.tools.import_gguf)")
     p.add_argument("--dst", required=True, help="directory to create")
@@ -817,8 +817,9 @@ def _dense_source(src: str, dst: Path):
         yield dense
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
+    """The command line; `prog` names the command in `--help` (default: the script's file name)."""
+    args = build_parser(prog).parse_args(argv)
     try:
         # The plan file is checked before a GGUF source is imported; its layers once the source is known.
         plan = read_plan(args.plan, args.arch) if args.plan else None
@@ -838,7 +839,3 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"wrote {out}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
