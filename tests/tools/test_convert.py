@@ -380,7 +380,7 @@ def test_refuses_non_empty_destination(teachers, tmp_path, capsys):
 
 def test_streams_one_source_shard_at_a_time(teachers, tmp_path, monkeypatch):
     opened, peak = [], [0]
-    real_open = cv.safe_open
+    real_open = safe_open
 
     class Tracked:
         def __init__(self, *args, **kwargs):
@@ -395,7 +395,8 @@ def test_streams_one_source_shard_at_a_time(teachers, tmp_path, monkeypatch):
             opened.remove(self)
             return self.f.__exit__(*exc)
 
-    monkeypatch.setattr(cv, "safe_open", Tracked)
+    for module in (cv.source, cv.write):  # where the headers are read and the weights streamed
+        monkeypatch.setattr(module, "safe_open", Tracked)
     conv = cv.plan_conversion(teachers["qwen3"], "hysparse")
     assert len(conv.shards) > 1
     max_bytes = 30_000

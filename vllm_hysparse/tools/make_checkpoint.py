@@ -15,12 +15,12 @@ import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from tqdm import tqdm
 from transformers import GenerationConfig
 
 from vllm_hysparse.configs import HySparse2Config, HySparseConfig
 from vllm_hysparse.configs.base import kv_bytes_per_token
+from vllm_hysparse.tools.checkpoint_io import parse_size, save_sharded
 from vllm_hysparse.tools.presets import CONFIG_ONLY, PRESETS, TOKENIZER_VOCAB
 from vllm_hysparse.tools.staging import staged_output
 from vllm_hysparse.tools.tokenizer import build_hf_tokenizer
@@ -65,31 +65,6 @@ def random_state_dict(config, seed: int, logit_std: float, dtype: torch.dtype) -
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     return state
-
-
-def save_sharded(state: dict[str, torch.Tensor], out: Path, max_shard_bytes: int) -> list[str]:
-    """Write `model.safetensors`, or numbered shards plus `model.safetensors.index.json`."""
-    shards, current, size = [], {}, 0
-    for name, tensor in state.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if current and size + nbytes > max_shard_bytes:
-            shards.append(current)
-            current, size = {}, 0
-        current[name] = tensor
-        size += nbytes
-    shards.append(current)
-    if len(shards) == 1:
-        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
-        return ["model.safetensors"]
-    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    weight_map = {}
-    for fname, shard in tqdm(list(zip(names, shards)), desc="writing shards", unit="shard"):
-        save_file(shard, str(out / fname), metadata={"format": "pt"})
-        weight_map.update({k: fname for k in shard})
-    total = sum(t.numel() * t.element_size() for t in state.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    return names
 
 
 def write_checkpoint(
@@ -153,14 +128,6 @@ def parse_overrides(items: list[str]) -> dict:
         except json.JSONDecodeError:
             out[key] = value
     return out
-
-
-def parse_size(text: str) -> int:
-    units = {"KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
-    for unit, mult in units.items():
-        if text.upper().endswith(unit):
-            return int(float(text[: -len(unit)]) * mult)
-    return int(text)
 
 
 def main(argv: list[str] | None = None) -> int:
