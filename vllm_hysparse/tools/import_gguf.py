@@ -18,7 +18,6 @@ too), qwen2, qwen3 -- the dense layouts our converter accepts.
 import argparse
 import copy
 import importlib.util
-import shutil
 import sys
 import tempfile
 from contextlib import contextmanager
@@ -26,11 +25,11 @@ from pathlib import Path
 
 import torch
 
+from vllm_hysparse.tools.checkpoint_io import parse_size, save_sharded
 from vllm_hysparse.tools.convert import SOURCE_ARCHITECTURES
-from vllm_hysparse.tools.make_checkpoint import parse_size, save_sharded
-from vllm_hysparse.tools.staging import publish
+from vllm_hysparse.tools.staging import staged_output
 
-# GGUF architecture names whose transformers model types convert.py accepts.
+# GGUF architecture names whose transformers model types the converter accepts.
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -238,16 +237,10 @@ def import_gguf(src: str | Path, dst: str | Path, *, dtype: str = "float32", for
     model, tokenizer = load_gguf(src, header)
     log(f"loaded {src.name}: {header['architecture']} -> {type(model).__name__}, "
         f"{model.config.num_hidden_layers} layers, {sum(p.numel() for p in model.parameters()):,} parameters")
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
-    try:
+    with staged_output(dst) as tmp:  # never deletes an existing `dst` in place
         write_dense(model, tokenizer, tmp, DTYPES[dtype], max_shard_bytes)
         if check:
             log(verify(model, tmp, DTYPES[dtype]))
-        publish(tmp, dst)  # never deletes an existing `dst` in place
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     return dst
 
 
