@@ -19,8 +19,13 @@ NAMES = {v.name for v in envs.ENV_VARS}
 
 
 def _string_constants(path: Path) -> set[str]:
-    return {node.value for node in ast.walk(ast.parse(path.read_text()))
-            if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+    """Every string constant of the file, less the names listed in `__all__` (names, not variables)."""
+    tree = ast.parse(path.read_text())
+    exported = {id(c) for node in ast.walk(tree) if isinstance(node, ast.Assign)
+                and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
+                for c in ast.walk(node.value)}
+    return {node.value for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in exported}
 
 
 def _package_files() -> list[Path]:

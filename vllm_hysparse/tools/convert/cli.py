@@ -6,6 +6,7 @@ checkpoint first by `vllm_hysparse.tools.import_gguf` (imported only then: that 
 """
 
 import argparse
+import importlib
 import json
 import sys
 from contextlib import contextmanager
@@ -44,7 +45,7 @@ def _layer_list(text: str) -> list[int]:
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     # The description is the package docstring (the converter's module docstring before the split).
-    p = argparse.ArgumentParser(prog=prog, description=sys.modules[__package__].__doc__,
+    p = argparse.ArgumentParser(prog=prog, description=importlib.import_module(__package__).__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--src", required=True, help="HF checkpoint (Llama, Qwen2, Qwen3, Mistral, Qwen3-MoE, "
                    "Qwen2-MoE), or a .gguf file of one (imported first, see vllm_hysparse.tools.import_gguf)")
