@@ -329,13 +329,30 @@ def _scrape(base_url: str) -> dict[str, float]:
     return out
 
 
+def _settled_scrape(base_url: str, timeout_s: float = 20) -> dict[str, float]:
+    """The PIC counters once the earlier tests' requests are in them: no pins held, and two scrapes 0.5 s apart
+    equal (the worker publishes every 0.2 s, so a scrape right after another test's request can miss its counts,
+    which the next scrape then adds to this test's; CI once read 173 reused tokens for 92)."""
+    import time
+
+    deadline = time.time() + timeout_s
+    last = _scrape(base_url)
+    while time.time() < deadline:
+        time.sleep(0.5)
+        now = _scrape(base_url)
+        if now == last and now.get("vllm:hysparse_pic_in_use", 0) == 0:
+            return now
+        last = now
+    return last
+
+
 def test_http_pic_metrics_count_reuse(client, model_name, base_url):
     import time
 
     prompt = _prompt(9)
     seam = 4
     layout = {"pic_segments": LAYOUT, "pic_seam_tokens": seam}
-    before = _scrape(base_url)
+    before = _settled_scrape(base_url)
     _complete(client, model_name, prompt, layout, max_tokens=1)
     # A different query length after the same documents: no prefix-cache hit, every document a store hit.
     _complete(client, model_name, prompt[:-1], {"pic_segments": [*LAYOUT[:-1], LAYOUT[-1] - 1],
