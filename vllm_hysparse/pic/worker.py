@@ -3,7 +3,8 @@
 
 Our config hook selects these instead of vLLM's "auto" worker for HySparse and
 HySparse2 checkpoints, so PIC needs no engine or server flag. The worker is
-vLLM's own; only its model runner gains `PICRunnerMixin`.
+vLLM's own; only its model runner gains `PICRunnerMixin`, and
+`vllm_glue.runner.CPUSeededSamplingMixin` for seeded requests on CPU.
 """
 
 from vllm.v1.worker.cpu_worker import CPUWorker

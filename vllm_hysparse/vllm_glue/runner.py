@@ -43,6 +43,8 @@ class CPUSeededSamplingMixin:
 
     def sample_tokens(self, grammar_output):
         batch = self.input_batch
+        if not batch.generators:  # no seeded request in the batch: nothing to save
+            return super().sample_tokens(grammar_output)
         discarded = np.nonzero(self.discard_request_mask.np[:batch.num_reqs])[0]
         self._cpu_generator_states = {
             int(i): gen.get_state() for i in discarded
