@@ -146,6 +146,34 @@ def test_cli_train_then_apply_gives_the_same_checkpoint(checkpoints, tmp_path, c
     assert report["settings"]["temperature"] == (2.0 if "--temperature" in extra else 1.0)
 
 
+def test_cli_train_resumes_from_a_delta(checkpoints, tmp_path, capsys):
+    """A run resumed from a delta starts where that one ended: with no training its delta is the same tensors
+    (stage-0 record included); it keeps the delta's rank; it refuses a delta of another base in one line."""
+    common = ["--teacher", str(checkpoints["teacher"]), "--student", str(checkpoints["hysparse"]),
+              "--seq-len", "64", "--stage2-seq-len", "64", "--windows", "4", "--train-chars", "40000",
+              "--heldout-windows", "1", "--heldout-seq-len", "64"]
+    first, second, third = tmp_path / "first", tmp_path / "second", tmp_path / "third"
+    assert cli.main(["train", *common, "--delta", str(first), "--stage1-minutes", "0", "--stage2-minutes", "0.05",
+                     "--rank", "4", "--init", "--init-tokens", "192", "--init-seq-len", "96"]) == 0
+    assert cli.main(["train", *common, "--delta", str(second), "--resume", str(first), "--rank", "8",
+                     "--stage1-minutes", "0", "--stage2-minutes", "0"]) == 0, capsys.readouterr().err
+    a, b = load_file(str(first / cli.DELTA_FILE)), load_file(str(second / cli.DELTA_FILE))
+    assert a.keys() == b.keys() and any(k.startswith("init.") for k in a)
+    unequal = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not unequal, f"{len(unequal)} of {len(a)} tensors differ, e.g. {unequal[0]}"
+    report_a = json.loads((first / cli.REPORT_FILE).read_text())
+    report_b = json.loads((second / cli.REPORT_FILE).read_text())
+    assert [p["stage"] for p in report_b["curve"]] == ["converted", "resumed"]
+    # Where the first run ended (its factors rounded to bf16 on the way), well below the converted model.
+    end, resumed = report_a["curve"][-1]["heldout_kl"], report_b["curve"][-1]["heldout_kl"]
+    assert abs(resumed - end) <= 0.02 * end + 1e-4 and resumed < 0.9 * report_b["curve"][0]["heldout_kl"]
+    capsys.readouterr()
+    rc = cli.main(["train", *common[:2], "--student", str(checkpoints["hysparse2"]), *common[4:], "--delta",
+                   str(third), "--resume", str(first), "--stage1-minutes", "0", "--stage2-minutes", "0"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: ") and err.count("\n") == 1 and not third.exists(), err
+
+
 def test_cli_train_refuses_a_dense_student(checkpoints, tmp_path, capsys):
     rc = cli.main(["train", "--teacher", str(checkpoints["teacher"]), "--student", str(checkpoints["teacher"]),
                    "--delta", str(tmp_path / "delta"), "--stage1-minutes", "0", "--stage2-minutes", "0"])

@@ -48,7 +48,8 @@ from vllm_hysparse.recovery import corpus, distill
 from vllm_hysparse.recovery.distill import HeldOut
 from vllm_hysparse.recovery.distill import save as save_checkpoint
 from vllm_hysparse.recovery.init import INIT_PREFIX, STEP_ORDER, initialise, initialise_checkpoint
-from vllm_hysparse.recovery.lora import apply_delta, attach_lora, base_digest, converted_linears, delta_state
+from vllm_hysparse.recovery.lora import (apply_delta, attach_lora, base_digest, converted_linears, delta_state,
+                                         resume_from_delta)
 from vllm_hysparse.recovery.train import Clock, end_to_end, local_transfer
 from vllm_hysparse.reference.evaluation import cut_windows
 from vllm_hysparse.tools.staging import staged_output
@@ -112,6 +113,8 @@ def plot_curve(curve: list[dict], path: Path) -> None:
 
 
 def train(args) -> dict:
+    if args.resume and args.init:
+        raise ValueError("--resume and --init: a delta carries its stage 0 already")
     device = args.device
     torch.manual_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(args.student)
@@ -126,7 +129,14 @@ def train(args) -> dict:
     curve.append({"stage": "converted", "step": 0, "train_minutes": 0.0, "wall_minutes": 0.0, "cpu_minutes": 0.0,
                   **heldout.evaluate(student)})
     record = None
-    if args.init:
+    if args.resume:
+        # Go on from a delta's end (its stage-0 record, factors and whole parameters), at its rank and alpha.
+        params, record = resume_from_delta(student, *read_delta(Path(args.resume)), full_rank=args.full_rank)
+        wall, cpu = clock.minutes()
+        stages.append({"stage": f"resumed from {args.resume}", "minutes": wall})
+        curve.append({"stage": "resumed", "step": 0, "train_minutes": wall, "wall_minutes": wall, "cpu_minutes": cpu,
+                      **heldout.evaluate(student)})
+    elif args.init:
         # Stage 0 on the training text (never the held-out text); the delta carries what it did.
         calib = windows_of(tokenizer, text, args.init_seq_len, max(1, args.init_tokens // args.init_seq_len))
         init_report, record = initialise(teacher, student, [w.to(device) for w in calib],
@@ -136,7 +146,8 @@ def train(args) -> dict:
                        "tokens": init_report["tokens"], "steps": init_report["steps"]})
         curve.append({"stage": "stage 0: closed-form initialisation", "step": 0, "train_minutes": wall,
                       "wall_minutes": wall, "cpu_minutes": cpu, **heldout.evaluate(student)})
-    params = attach_lora(student, args.rank, args.alpha, full_rank=args.full_rank)
+    if not args.resume:
+        params = attach_lora(student, args.rank, args.alpha, full_rank=args.full_rank)
     # Projections trained whole move at `--full-rank-lr-scale` times the rate of LoRA factors and small vectors.
     whole = {id(p) for p in params if p.ndim == 2} - {id(p) for n, p in student.named_parameters()
                                                      if n.endswith((".lora_A", ".lora_B"))}
@@ -217,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="train the projections conversion guessed (SWA / bridged K/V, gates) in full, not LoRA")
     t.add_argument("--full-rank-lr-scale", type=float, default=0.1,
                    help="learning rate of the projections trained whole, relative to --lr1 / --lr2")
+    t.add_argument("--resume", metavar="DELTA", help="go on training from this delta (trained on the same "
+                   "--student; its rank, alpha and stage-0 record are kept)")
     t.add_argument("--init", action="store_true",
                    help="stage 0 first (closed-form fits on the training text); the delta carries its record")
     t.add_argument("--init-steps", default=",".join(STEP_ORDER), help="stage 0: comma-separated steps")

@@ -196,6 +196,32 @@ def check_delta(model, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -
     check_init(model, record)
 
 
+def resume_from_delta(model, tensors: dict[str, torch.Tensor], meta: dict[str, str],
+                      full_rank: bool = False) -> tuple[list[nn.Parameter], Record]:
+    """Put the converted `model` where a delta's training ended, to train on: the delta's stage-0 record
+    applied, LoRA attached at the delta's rank and alpha with its factors loaded, its whole parameters copied
+    (in place). Returns (trainable parameters, the record), as `attach_lora` and `initialise` would; the
+    delta must fit and belong to this base (`check_delta`, digest), and `full_rank` must be how it was trained."""
+    check_delta(model, tensors, meta)
+    if meta["format"] != DELTA_FORMAT or base_digest(model, converted_linears(model)) != meta.get("base_digest"):
+        raise ValueError("the delta was trained on a different base checkpoint (base weights digest differs)")
+    record, paths, full = _parts(tensors)
+    apply_init(model, record)
+    trainable = attach_lora(model, int(meta["rank"]), float(meta["alpha"]), full_rank=full_rank)
+    loras = _lora_modules(model)
+    if sorted(loras) != paths:
+        raise ValueError(f"the delta has LoRA factors on {len(paths)} projections, this run would train "
+                         f"{len(loras)}: resume with the --full-rank setting the delta was trained with")
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for p, lora in loras.items():
+            lora.lora_A.copy_(tensors[f"{p}.lora_A"].to(lora.lora_A.dtype))
+            lora.lora_B.copy_(tensors[f"{p}.lora_B"].to(lora.lora_B.dtype))
+        for name, value in full.items():
+            params[name].copy_(value.to(params[name].dtype))
+    return trainable, record
+
+
 def apply_delta(model, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
     """Apply a delta to the converted `model` (in place): its stage-0 record, then the LoRA updates, then
     its full parameters. The delta must fit (`check_delta`) and the base weights must be the ones it was
