@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Plain PyTorch reference for position-independent caching (PIC, SPEC §4).
 
-A PIC prompt is segments `s_0 .. s_n` (see `vllm_hysparse.pic.layout.PICLayout`).
+A PIC prompt is segments `s_0 .. s_n` with a seam `w` (a `SegmentLayout`: the serving code's
+`pic.layout.PICLayout` is one, but this file reads only its lengths and works out the rest itself).
 What the model computes for it, whatever is or is not cached:
 
 - `s_0` (the prefix) is computed as a plain prefix;
@@ -22,14 +23,20 @@ assembled K/V, which is what SPEC asks for recomputed rows.
 """
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from transformers import DynamicCache
 
 from vllm_hysparse.configs.hysparse2 import SLIDING
-from vllm_hysparse.pic.layout import PICLayout
 from vllm_hysparse.reference.layers import Fp8KVCache, RotaryEmbedding
 from vllm_hysparse.reference.modeling_hysparse2 import HySparse2ForCausalLM
+
+
+class SegmentLayout(Protocol):
+    segments: tuple[int, ...]  # lengths in prompt tokens: the prefix, the middle segments, the query
+    seam: int  # `w`: the leading rows of every middle segment that are recomputed in context
+
 
 # layer index -> (K, V), each `[B, G, T, D]` as the transformers cache holds them.
 # K of rotary layers is post-RoPE.
@@ -141,7 +148,7 @@ def rotate_to(cache_or_kv, model, start: int) -> LayerKV:
 
 
 @torch.no_grad()
-def pic_prefill(model, prompt_ids: list[int], layout: PICLayout,
+def pic_prefill(model, prompt_ids: list[int], layout: SegmentLayout,
                 cache: DynamicCache | None = None) -> tuple[DynamicCache, torch.Tensor]:
     """Assemble the cache of a PIC prompt as SPEC §4 says; (cache, logits `[vocab]` of the last prompt row).
 
@@ -153,36 +160,38 @@ def pic_prefill(model, prompt_ids: list[int], layout: PICLayout,
     segment's other rows are spliced from its isolated, rotated K/V without
     running any layer on them; the query is fed in context.
     """
-    if layout.prompt_len != len(prompt_ids):
-        raise ValueError(f"layout covers {layout.prompt_len} tokens, the prompt has {len(prompt_ids)}")
+    lengths, prompt_len = list(layout.segments), sum(layout.segments)
+    if prompt_len != len(prompt_ids):
+        raise ValueError(f"layout covers {prompt_len} tokens, the prompt has {len(prompt_ids)}")
     ids = torch.tensor([prompt_ids], dtype=torch.long)
 
     def feed(cache, lo, hi):
         res = model(ids[:, lo:hi], past_key_values=cache, use_cache=True, logits_to_keep=1)
         return res.past_key_values, res.logits[0, -1]
 
-    (a0, n0), query = (layout.starts[0], layout.segments[0]), layout.starts[-1]
     fresh = cache.empty_like if isinstance(cache, Fp8KVCache) else lambda: None
-    cache, _ = feed(cache, a0, a0 + n0)
-    for i, a, n in layout.middle():
-        lo, hi = layout.spliced_span(i)  # seam is [a, lo), spliced [lo, hi)
+    cache, _ = feed(cache, 0, lengths[0])
+    a = lengths[0]
+    for n in lengths[1:-1]:
+        lo, hi = a + min(layout.seam, n), a + n  # seam is [a, lo), spliced [lo, hi)
         if lo > a:
             cache, _ = feed(cache, a, lo)
         if hi > lo:
             assert cache.get_seq_length() == lo
             stored = isolated_segment_cache(model, ids[0, a:hi], fresh())
             append_kv(cache, slice_rows(rotate_to(stored, model, a), lo - a, hi - a))
-    assert cache.get_seq_length() == query
-    return feed(cache, query, layout.prompt_len)
+        a = hi
+    assert cache.get_seq_length() == a == prompt_len - lengths[-1]
+    return feed(cache, a, prompt_len)
 
 
-def pic_next_token_logits(model, prompt_ids: list[int], layout: PICLayout) -> torch.Tensor:
+def pic_next_token_logits(model, prompt_ids: list[int], layout: SegmentLayout) -> torch.Tensor:
     """`[vocab]` float logits of the last prompt row under PIC (for KL against plain prefill)."""
     return pic_prefill(model, prompt_ids, layout)[1]
 
 
 @torch.no_grad()
-def pic_greedy(model, prompt_ids: list[int], layout: PICLayout, max_tokens: int,
+def pic_greedy(model, prompt_ids: list[int], layout: SegmentLayout, max_tokens: int,
                top_logprobs: int = 5, cache: DynamicCache | None = None,
                forced: list[int] | None = None) -> PICCompletion:
     """Greedy continuation of a PIC prompt, step by step with the assembled cache.
