@@ -145,3 +145,12 @@ def logits_rows(logits_to_keep: int | torch.Tensor, seq_len: int, device) -> tor
         raise ValueError(f"logits_to_keep must be >= 0 (got {logits_to_keep})")
     n = seq_len if logits_to_keep == 0 else min(logits_to_keep, seq_len)
     return torch.arange(seq_len - n, seq_len, device=device)
+
+
+def normed_outputs(norm, h: torch.Tensor, rows: torch.Tensor, hiddens: list | None):
+    """(final normed hidden `[B, R, hidden]` at `rows`, the per-layer hiddens as a tuple or None) of a model body
+    whose last layer gave `h` `[B, T, hidden]`. As transformers does, the last entry of the hiddens becomes the
+    final normed hidden state."""
+    if hiddens is not None:
+        hiddens[-1] = norm(h)
+    return norm(h[:, rows]), tuple(hiddens) if hiddens is not None else None

@@ -16,7 +16,7 @@ from vllm_hysparse.reference.layers import (
     sinks,
     split_heads,
 )
-from vllm_hysparse.reference.modeling_base import ReferenceCausalLM
+from vllm_hysparse.reference.modeling_base import ReferenceCausalLM, normed_outputs
 
 
 class HySparseFullAttention(nn.Module):
@@ -138,10 +138,7 @@ class HySparseModel(nn.Module):
             h = layer(h, positions, self.rotary_emb, cache, shared, switches)
             if hiddens is not None:
                 hiddens.append(h)
-        if hiddens is not None:
-            # transformers' convention: the last entry is the final normed hidden state.
-            hiddens[-1] = self.norm(h)
-        return self.norm(h[:, rows]), tuple(hiddens) if hiddens is not None else None
+        return normed_outputs(self.norm, h, rows, hiddens)
 
 
 class HySparseForCausalLM(ReferenceCausalLM):

@@ -28,7 +28,7 @@ from vllm_hysparse.reference.layers import (
     sinks,
     split_heads,
 )
-from vllm_hysparse.reference.modeling_base import ReferenceCausalLM
+from vllm_hysparse.reference.modeling_base import ReferenceCausalLM, normed_outputs
 
 
 @dataclass
@@ -280,10 +280,7 @@ class HySparse2Model(nn.Module):
             h = layer(h, positions, ctx)
             if hiddens is not None:
                 hiddens.append(h)
-        if hiddens is not None:
-            # transformers' convention: the last entry is the final normed hidden state.
-            hiddens[-1] = self.norm(h)
-        return self.norm(h[:, rows]), tuple(hiddens) if hiddens is not None else None
+        return normed_outputs(self.norm, h, rows, hiddens)
 
 
 class HySparse2ForCausalLM(ReferenceCausalLM):
