@@ -128,6 +128,11 @@ def pytest_collection_modifyitems(config, items):
 XDIST_FILE_GROUPS = {
     "tests/entrypoints/test_edge_values.py": "tiny_server",  # tests/entrypoints/conftest.py, tiny_server
     "tests/entrypoints/test_hostile.py": "tiny_server",
+    # the files that ask `shared_engine` for the canonical engines
+    "tests/models/test_hysparse.py": "shared_engine",
+    "tests/models/test_hysparse2.py": "shared_engine",
+    "tests/models/test_hot_path.py": "shared_engine",
+    "tests/pic/test_engine.py": "shared_engine",
 }
 
 
@@ -173,6 +178,7 @@ def pytest_unconfigure(config):
 WORKER_ENGINE_STARTS: collections.Counter = collections.Counter()
 WORKER_START_SECONDS: collections.Counter = collections.Counter()  # "file kind" -> seconds to ready
 WORKER_START_COUNTS: collections.Counter = collections.Counter()
+SHARED_ENGINE_REUSES = [0]  # times a test file got `shared_engine`'s engine without a start, over the workers
 
 
 def pytest_sessionfinish(session):
@@ -181,6 +187,7 @@ def pytest_sessionfinish(session):
     utils = sys.modules.get("tests.vllm_utils")
     if hasattr(session.config, "workeroutput") and utils is not None:
         session.config.workeroutput["engine_starts"] = dict(utils.ENGINE_STARTS)
+        session.config.workeroutput["shared_engine_reuses"] = utils.POOL.hits
         session.config.workeroutput["engine_start_seconds"] = dict(utils.ENGINE_START_SECONDS)
         session.config.workeroutput["engine_start_counts"] = dict(utils.ENGINE_START_COUNTS)
 
@@ -191,6 +198,7 @@ def pytest_testnodedown(node, error):
     WORKER_ENGINE_STARTS.update(out.get("engine_starts", {}))
     WORKER_START_SECONDS.update(out.get("engine_start_seconds", {}))
     WORKER_START_COUNTS.update(out.get("engine_start_counts", {}))
+    SHARED_ENGINE_REUSES[0] += out.get("shared_engine_reuses", 0)
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -208,6 +216,9 @@ def pytest_terminal_summary(terminalreporter):
         counts = ", ".join(f"{k} {v}" for k, v in sorted(starts.items()))
         where = "this run's xdist workers" if WORKER_ENGINE_STARTS else "this process"
         terminalreporter.write_line(f"engine starts in {where}: {sum(starts.values())} ({counts})")
+    reuses = SHARED_ENGINE_REUSES[0] + (utils.POOL.hits if utils is not None else 0)
+    if reuses:
+        terminalreporter.write_line(f"shared engines handed out again without a start (shared_engine): {reuses}")
     seconds = WORKER_START_SECONDS + (utils.ENGINE_START_SECONDS if utils is not None else collections.Counter())
     n = WORKER_START_COUNTS + (utils.ENGINE_START_COUNTS if utils is not None else collections.Counter())
     if seconds:
@@ -217,22 +228,55 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line(f"  {s:7.1f} s  {n[row]:3d} x  {row}")
 
 
+# The canonical tiny checkpoint of each architecture (`tiny_model(arch)`) and the engine the files that test the
+# plain engine path share (`shared_engine(arch)`): 64-token steps, so prompts over 64 tokens prefill in chunks
+# beside the decodes of the others.
+CANONICAL_SEED = 5
+CANONICAL_ENGINE = dict(enforce_eager=True, block_size=32, max_num_batched_tokens=64, max_num_seqs=16,
+                        disable_log_stats=False)
+
+
+def _key(overrides: dict | None) -> str:
+    return json.dumps(overrides or {}, sort_keys=True)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
-    """`tiny_model(arch, seed)` -> (checkpoint dir, its HF reference model in float32, eval mode): the `tiny` preset
-    written once per session (per xdist worker) and seed, and loaded once, for every test file that uses it."""
-    cache: dict[tuple[str, int], tuple] = {}
+    """`tiny_model(arch, seed=CANONICAL_SEED, overrides=None)` -> (checkpoint dir, its HF reference model in float32,
+    eval mode): the `tiny` preset (with config `overrides`) written once per session (per xdist worker), and
+    loaded once, for every test file that uses it."""
+    cache: dict[tuple[str, int, str], tuple] = {}
 
-    def get(arch: str, seed: int):
-        if (arch, seed) not in cache:
+    def get(arch: str, seed: int = CANONICAL_SEED, overrides: dict | None = None):
+        key = arch, seed, _key(overrides)
+        if key not in cache:
             import torch
             from transformers import AutoModelForCausalLM
 
             import vllm_hysparse  # noqa: F401  (registers the configs with transformers)
             from vllm_hysparse.tools.make_checkpoint import write_checkpoint
 
-            ckpt = write_checkpoint(tmp_path_factory.mktemp(f"{arch}-seed{seed}") / "tiny", arch, "tiny", seed=seed)
-            cache[arch, seed] = ckpt, AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
-        return cache[arch, seed]
+            ckpt = write_checkpoint(tmp_path_factory.mktemp(f"{arch}-seed{seed}") / "tiny", arch, "tiny", seed=seed,
+                                    overrides=overrides)
+            cache[key] = ckpt, AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+        return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def shared_engine(tiny_model):
+    """`shared_engine(arch, seed=CANONICAL_SEED, overrides=None, **engine_args)` -> (LLM, checkpoint dir, HF
+    reference): the engine for `tiny_model(arch, seed, overrides)` with `CANONICAL_ENGINE` updated by
+    `engine_args`, shared with every test file of this process that asks for the same key
+    (`tests.vllm_utils.EnginePool`: one engine at a time, started when first asked for)."""
+    from tests.vllm_utils import POOL
+
+    def get(arch: str, seed: int = CANONICAL_SEED, overrides: dict | None = None, **engine_args):
+        ckpt, reference = tiny_model(arch, seed, overrides)
+        args = {**CANONICAL_ENGINE, **engine_args}
+        key = (arch, seed, _key(overrides), json.dumps(args, sort_keys=True, default=str))
+        return POOL.get(key, ckpt, **args), ckpt, reference
+
+    yield get
+    POOL.release()

@@ -65,10 +65,48 @@ class Completion:
 IN_PROCESS_ENGINES: "weakref.WeakSet" = weakref.WeakSet()  # the in-process engine alive (at most one)
 
 
+class EnginePool:
+    """Engines shared by the test files of one pytest process, keyed by (checkpoint, engine arguments)
+    (`tests/conftest.py`'s `shared_engine` asks for them).
+
+    It holds one engine at a time, the in-process one: asking for another key, or a `make_llm` that would run
+    in process, shuts the held engine down first. So test files that ask for the same key one after another on
+    a worker (`tests/conftest.py` XDIST_FILE_GROUPS keeps them on one) share one start. Each hit begins with an
+    empty prefix cache, so that no file sees another's cached blocks. `shutdown` leaves a pooled engine alone;
+    the pool's owner releases it at the end of the session.
+    """
+
+    def __init__(self):
+        self.key, self.llm = None, None
+        self.hits = 0
+
+    def get(self, key: tuple, model_dir, **kwargs):
+        if self.llm is not None and self.key == key:
+            self.hits += 1
+            self.llm.reset_prefix_cache()
+            return self.llm
+        self.release()
+        self.llm = make_llm(model_dir, **kwargs)
+        self.key = key
+        return self.llm
+
+    def release(self) -> None:
+        llm, self.llm, self.key = self.llm, None, None
+        if llm is not None:
+            _shutdown(llm)
+
+
+POOL = EnginePool()
+
+
+def _wants_in_process(args: dict) -> bool:
+    """Whether an engine with these arguments runs in process when the slot is free."""
+    return (os.environ.get("HYSPARSE_TEST_ENGINE_PROCESS", "0") in ("", "0") and bool(args.get("enforce_eager"))
+            and args.get("tensor_parallel_size", 1) == 1 and args.get("pipeline_parallel_size", 1) == 1)
+
+
 def _in_process(args: dict) -> bool:
-    return (os.environ.get("HYSPARSE_TEST_ENGINE_PROCESS", "0") in ("", "0") and not IN_PROCESS_ENGINES
-            and bool(args.get("enforce_eager")) and args.get("tensor_parallel_size", 1) == 1
-            and args.get("pipeline_parallel_size", 1) == 1)
+    return _wants_in_process(args) and not IN_PROCESS_ENGINES
 
 
 def make_llm(model_dir, own_process: bool = False, inductor: bool = True, **kwargs):
@@ -95,6 +133,8 @@ def make_llm(model_dir, own_process: bool = False, inductor: bool = True, **kwar
         from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
         args["distributed_executor_backend"] = UniProcExecutor
+    if POOL.llm is not None and not own_process and _wants_in_process(args):
+        POOL.release()  # the pool's engine holds the one in-process slot, which this engine wants
     if own_process or not _in_process(args):
         with pytest.MonkeyPatch.context() as mp, timed_start("offline"):
             if not inductor and not args.get("enforce_eager"):
@@ -203,6 +243,12 @@ def kv_cache_layout(worker) -> dict:
 
 
 def shutdown(llm) -> None:
+    """Shut an engine down, unless it is the pool's (`EnginePool`): that one stays for the next test file."""
+    if llm is not POOL.llm:
+        _shutdown(llm)
+
+
+def _shutdown(llm) -> None:
     with contextlib.suppress(Exception):
         llm.llm_engine.engine_core.shutdown()
     if llm in IN_PROCESS_ENGINES:

@@ -14,9 +14,8 @@ import pytest
 import torch
 
 import vllm_hysparse  # noqa: F401
-from tests.vllm_utils import make_llm, random_prompts, shutdown, vllm_greedy
+from tests.vllm_utils import random_prompts, vllm_greedy
 from vllm_hysparse.attention.backend import HySparseAttentionImpl
-from vllm_hysparse.tools.make_checkpoint import write_checkpoint
 
 HOST_READS = ("item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__")
 
@@ -58,14 +57,9 @@ class HostReadCounter:
 # `-vdim`: v_head_dim != head_dim (SPEC §2.6), where window and plain full layers run on the `window`
 # and `dense` roles too
 @pytest.fixture(params=["hysparse", "hysparse2", "hysparse-vdim", "hysparse2-vdim"])
-def llm(request, tmp_path, monkeypatch):
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+def llm(request, shared_engine):
     arch, _, variant = request.param.partition("-")
-    overrides = {"v_head_dim": 32} if variant == "vdim" else None
-    ckpt = write_checkpoint(tmp_path / request.param, arch, "tiny", seed=5, overrides=overrides)
-    engine = make_llm(ckpt, enforce_eager=True, block_size=32, max_num_batched_tokens=64, max_num_seqs=8)
-    yield engine
-    shutdown(engine)
+    return shared_engine(arch, overrides={"v_head_dim": 32} if variant == "vdim" else None)[0]
 
 
 def test_counter_sees_a_host_read(monkeypatch):

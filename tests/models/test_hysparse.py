@@ -32,12 +32,12 @@ MAX_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def ckpt(tiny_model):
-    return tiny_model("hysparse", 11)[0]
+    return tiny_model("hysparse")[0]
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_model):
-    return tiny_model("hysparse", 11)[1]
+    return tiny_model("hysparse")[1]
 
 
 @pytest.fixture(scope="module")
@@ -51,13 +51,10 @@ def expected(reference, prompts):
 
 
 @pytest.fixture(scope="class")
-def eager_llm(ckpt):
-    # 64-token steps: the long prompts are prefilled in chunks, batched with the
-    # decodes of the short ones.
-    llm = make_llm(ckpt, enforce_eager=True, block_size=32, max_num_batched_tokens=64, max_num_seqs=16,
-                   disable_log_stats=False)
-    yield llm
-    shutdown(llm)
+def eager_llm(shared_engine):
+    # The canonical engine (tests/conftest.py): 64-token steps, so the long prompts are prefilled in chunks,
+    # batched with the decodes of the short ones.
+    return shared_engine("hysparse")[0]
 
 
 def _counter(llm, name: str) -> float:

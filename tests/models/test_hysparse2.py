@@ -52,12 +52,12 @@ def _queries(llm) -> int:
 
 @pytest.fixture(scope="module")
 def ckpt(tiny_model):
-    return tiny_model("hysparse2", 12)[0]
+    return tiny_model("hysparse2")[0]
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_model):
-    return tiny_model("hysparse2", 12)[1]
+    return tiny_model("hysparse2")[1]
 
 
 @pytest.fixture(scope="module")
@@ -71,11 +71,8 @@ def expected(reference, prompts):
 
 
 @pytest.fixture(scope="class")
-def llm(ckpt):
-    engine = make_llm(ckpt, enforce_eager=True, block_size=32, max_num_batched_tokens=64, max_num_seqs=16,
-                      disable_log_stats=False)
-    yield engine
-    shutdown(engine)
+def llm(shared_engine):
+    return shared_engine("hysparse2")[0]  # the canonical engine (tests/conftest.py), early exit on
 
 
 class TestEarlyExitEngine:

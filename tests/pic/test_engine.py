@@ -11,22 +11,18 @@ engine per architecture serves every test here; the engines of their own
 """
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 import vllm_hysparse  # noqa: F401
 from tests.pic_utils import assemble, delta, generate, reference_pic, state
 from tests.vllm_utils import (
     check_logprobs_close,
-    make_llm,
     random_prompts,
     reference_greedy,
-    shutdown,
 )
-from vllm_hysparse.tools.make_checkpoint import write_checkpoint
 
 MAX_TOKENS = 6
-ARCHS = {"hysparse": {}, "hysparse2": {}, "hysparse2-rope": {"full_rope": True}}
+# Ends with the canonical HySparse engine, which tests/models/test_hot_path.py asks for first (`shared_engine`).
+ARCHS = {"hysparse2-rope": {"full_rope": True}, "hysparse2": {}, "hysparse": {}}
 
 
 @pytest.fixture(scope="module", params=list(ARCHS))
@@ -35,21 +31,24 @@ def arch(request):
 
 
 @pytest.fixture(scope="module")
-def ckpt(arch, tmp_path_factory):
-    base = arch.split("-")[0]
-    return write_checkpoint(tmp_path_factory.mktemp(arch) / "tiny", base, "tiny", seed=5, overrides=ARCHS[arch])
+def engine(arch, shared_engine):
+    """(LLM, checkpoint, reference): the canonical engine (tests/conftest.py) of the architecture."""
+    return shared_engine(arch.split("-")[0], overrides=ARCHS[arch] or None)
 
 
 @pytest.fixture(scope="module")
-def reference(ckpt):
-    return AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+def ckpt(engine):
+    return engine[1]
 
 
 @pytest.fixture(scope="module")
-def llm(ckpt):
-    engine = make_llm(ckpt, enforce_eager=True, block_size=32, max_num_batched_tokens=64, max_num_seqs=8)
-    yield engine
-    shutdown(engine)
+def reference(engine):
+    return engine[2]
+
+
+@pytest.fixture(scope="module")
+def llm(engine):
+    return engine[0]
 
 
 @pytest.fixture(scope="module")
