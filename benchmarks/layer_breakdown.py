@@ -38,9 +38,10 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 import torch  # noqa: E402
 
-BENCH_DIR = Path(__file__).resolve().parent
-from serve_bench import CHECKPOINT_DIR, ensure_dense_checkpoint, ensure_hysparse_checkpoint  # noqa: E402
+from vllm_hysparse.tools.bench_checkpoints import ensure_dense_checkpoint, ensure_hysparse_checkpoint  # noqa: E402
 
+BENCH_DIR = Path(__file__).resolve().parent
+CHECKPOINT_DIR = BENCH_DIR / "checkpoints"  # the same checkpoints as benchmarks/serve_bench.py
 RESULTS_DIR = BENCH_DIR / "results"
 MODELS = ("dense", "hysparse", "hysparse2")
 PREFIX = "bd:"  # names of our profiler ranges

@@ -28,10 +28,10 @@ import json
 import sys
 from pathlib import Path
 
-BENCH_DIR = Path(__file__).resolve().parent
-from serve_bench import free_port, running_server, save_report, serve_env  # noqa: E402
+import vllm_hysparse  # noqa: F401  (lm-eval's tokenizer loads HySparse configs through transformers)
+from vllm_hysparse.tools.harness import VLLM, free_port, running_server, save_report, serve_env
 
-import vllm_hysparse  # noqa: E402,F401  (lm-eval's tokenizer loads HySparse configs through transformers)
+BENCH_DIR = Path(__file__).resolve().parent
 
 TASKS_DIR = BENCH_DIR / "lm_eval" / "tasks"
 RESULTS_DIR = BENCH_DIR / "results" / "smollm2"
@@ -48,7 +48,7 @@ def evaluate_served(ckpt: Path, kv_gib: int, work: Path, limit: int | None) -> d
     from lm_eval.tasks import TaskManager
 
     port = free_port()
-    cmd = [str(Path(sys.executable).parent / "vllm"), "serve", str(ckpt), "--dtype", "float32", "--host",
+    cmd = [str(VLLM), "serve", str(ckpt), "--dtype", "float32", "--host",
            "127.0.0.1", "--port", str(port), "--max-model-len", "2048"]
     extra = {"VLLM_HYSPARSE2_EARLY_EXIT": "0"} if model_type(ckpt) == "hysparse2" else None
     log = work / f"serve_{ckpt.name}.log"

@@ -28,401 +28,51 @@ throughput, memory, every criterion) and exits 1 when a criterion fails.
 
 import argparse
 import asyncio
-import contextlib
 import datetime
 import json
-import math
 import os
 import random
 import shlex
 import statistics
 import sys
 import tempfile
-import threading
 import time
-import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 
-BENCH_DIR = Path(__file__).resolve().parent
-from serve_bench import VLLM, error_excerpt, free_port, machine_info, running_server, serve_env  # noqa: E402
+from vllm_hysparse.tools.harness import (
+    Monitor,
+    error_excerpt,
+    exit_on_sigterm,
+    free_port,
+    machine_info,
+    model_id,
+    percentile,
+    result_stem,
+    running_server,
+    scrape,
+    serve_env,
+    server_log_problems,
+    wait_drained,
+)
+from vllm_hysparse.tools.load_workload import (
+    ARCHS,
+    LABELS,
+    SEEDS,
+    DocPool,
+    Outcome,
+    alone_answers,
+    check_outcomes,
+    ensure_tiny,
+    make_jobs,
+    make_specs,
+    run_burst,
+    serve_cmd,
+)
 
-RESULTS_DIR = BENCH_DIR / "results" / "load"
-ARCHS = ("hysparse", "hysparse2")
-LABELS = {"hysparse": "HySparse tiny", "hysparse2": "HySparse2 tiny"}
-SEEDS = {"hysparse": 41, "hysparse2": 42}
-VOCAB_LOW, VOCAB_HIGH = 16, 8192  # skip the special tokens at the start of the tiny vocabulary
-MAX_MODEL_LEN = 1024
-ALONE_SALT = "alone"
-
-
-# ---------------------------------------------------------------- requests
-
-@dataclass
-class Spec:
-    """One distinct prompt: token ids and, for PIC, its segment lengths and seam."""
-    prompt: list[int]
-    pic_segments: list[int] | None = None
-    pic_seam: int | None = None
-    docs: list[int] | None = None  # PIC: which pool documents, in order
-
-    @property
-    def kind(self) -> str:
-        return "pic" if self.pic_segments else "plain"
-
-    def xargs(self) -> dict:
-        if not self.pic_segments:
-            return {}
-        return {"vllm_xargs": {"pic_segments": self.pic_segments, "pic_seam_tokens": self.pic_seam}}
-
-
-def _tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(n)]
+RESULTS_DIR = Path(__file__).resolve().parent / "results" / "load"
 
 
-def _log_uniform(rng: random.Random, lo: int, hi: int) -> int:
-    return int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
-
-
-class DocPool:
-    """A few system prefixes and documents that PIC requests share, in new orders."""
-
-    def __init__(self, rng: random.Random, n_prefixes: int = 3, n_docs: int = 8, doc_lens=(24, 200)):
-        self.prefixes = [_tokens(rng, rng.choice((8, 16, 24))) for _ in range(n_prefixes)]
-        self.docs = [_tokens(rng, rng.randint(*doc_lens)) for _ in range(n_docs)]
-
-    def spec(self, rng: random.Random, seams=(4, 8, 16), max_docs: int = 4) -> Spec:
-        prefix = rng.choice(self.prefixes)
-        order = rng.sample(range(len(self.docs)), rng.randint(1, max_docs))
-        query = _tokens(rng, rng.randint(4, 32))
-        pieces = [prefix, *(self.docs[i] for i in order), query]
-        return Spec([t for p in pieces for t in p], [len(p) for p in pieces], rng.choice(seams), order)
-
-
-def make_specs(rng: random.Random, n: int, pic_fraction: float, prompt_lens: tuple[int, int], pool: DocPool
-               ) -> list[Spec]:
-    """`n` distinct prompts: a `pic_fraction` share PIC, the rest plain with log-uniform lengths."""
-    n_pic = round(n * pic_fraction)
-    specs = [pool.spec(rng) for _ in range(n_pic)]
-    specs += [Spec(_tokens(rng, _log_uniform(rng, *prompt_lens))) for _ in range(n - n_pic)]
-    rng.shuffle(specs)
-    return specs
-
-
-@dataclass
-class Job:
-    """One client's request: which spec, how many tokens, whether it disconnects and after how many chunks."""
-    spec: int
-    max_tokens: int
-    disconnect_after: int | None = None  # chunks with tokens, then close the stream
-
-
-def make_jobs(rng: random.Random, specs: list[Spec], clients: int, output_lens: tuple[int, int],
-              disconnect_fraction: float) -> list[Job]:
-    order = [i % len(specs) for i in range(clients)]
-    rng.shuffle(order)
-    n_disc = round(clients * disconnect_fraction)
-    disc = set(rng.sample(range(clients), n_disc))
-    jobs = []
-    for c, s in enumerate(order):
-        out = rng.randint(*output_lens)
-        out = min(out, MAX_MODEL_LEN - len(specs[s].prompt))
-        jobs.append(Job(s, out, rng.randint(1, max(1, out - 1)) if c in disc else None))
-    return jobs
-
-
-# ---------------------------------------------------------------- server side probes
-
-def scrape(root_url: str, timeout: float = 10) -> dict[str, float]:
-    """Every sample on /metrics: `name` (labels dropped, summed) and `name{labels}`."""
-    with urllib.request.urlopen(f"{root_url}/metrics", timeout=timeout) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        key, _, value = line.rpartition(" ")
-        try:
-            v = float(value)
-        except ValueError:
-            continue
-        out[key] = v
-        base = key.split("{", 1)[0]
-        if base != key:
-            out[base] = out.get(base, 0.0) + v
-    return out
-
-
-def tree_rss(pid: int) -> int:
-    """Resident bytes of a process and all its children."""
-    import psutil
-
-    total = 0
-    try:
-        proc = psutil.Process(pid)
-        procs = [proc, *proc.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0
-    for p in procs:
-        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-            total += p.memory_info().rss
-    return total
-
-
-class Monitor:
-    """Background thread: /health status and the server's RSS every `period_s`, tagged with the current phase."""
-
-    def __init__(self, root_url: str, pid: int, period_s: float = 0.5, health_timeout_s: float = 5.0,
-                 max_samples: int = 100_000):
-        self.root_url, self.pid, self.period_s = root_url, pid, period_s
-        self.health_timeout_s, self.max_samples = health_timeout_s, max_samples
-        self.phase = "start"
-        self.samples: list[dict] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self.t0 = time.monotonic()
-
-    def _run(self):
-        while not self._stop.is_set() and len(self.samples) < self.max_samples:
-            t = time.monotonic()
-            status, err = None, None
-            try:
-                with urllib.request.urlopen(f"{self.root_url}/health", timeout=self.health_timeout_s) as r:
-                    status = r.status
-            except Exception as e:  # noqa: BLE001 - any failure to answer is recorded
-                status = getattr(e, "code", None)
-                err = f"{type(e).__name__}: {e}"
-            latency = time.monotonic() - t
-            self.samples.append({"t": t - self.t0, "phase": self.phase, "health": status, "health_s": latency,
-                                 "error": err, "rss": tree_rss(self.pid)})
-            self._stop.wait(max(0.0, self.period_s - (time.monotonic() - t)))
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join(self.health_timeout_s + 10)
-
-    def rss_now(self) -> int:
-        return tree_rss(self.pid)
-
-    def health_summary(self, phases: set[str] | None = None) -> dict:
-        rows = [s for s in self.samples if phases is None or s["phase"] in phases]
-        bad = [s for s in rows if s["health"] != 200]
-        lat = [s["health_s"] for s in rows]
-        return {"polls": len(rows), "not_200": len(bad), "first_bad": bad[:5],
-                "max_latency_s": max(lat) if lat else None,
-                "p99_latency_s": percentile(lat, 99) if lat else None}
-
-
-def probe_request(root_url: str, timeout_s: float = 60) -> None:
-    """One 1-token plain request: makes the engine run a step, which refreshes its scheduler stats."""
-    body = json.dumps({"model": model_id(root_url), "prompt": [17, 18, 19], "max_tokens": 1,
-                       "temperature": 0}).encode()
-    req = urllib.request.Request(f"{root_url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout_s) as r:
-        r.read()
-
-
-def wait_drained(root_url: str, timeout_s: float, poll_s: float = 0.5, probe_every_s: float = 10.0) -> dict:
-    """Poll /metrics until KV usage, running and waiting requests and PIC segments in use are all 0.
-
-    vLLM refreshes its scheduler gauges (KV usage, running, waiting) only when the engine runs a step, so
-    when the last event was an abort they can keep a stale value on an idle engine; after `probe_every_s`
-    without reaching 0 one 1-token request is sent to make a step (counted in `probes`).
-    """
-    keys = ("vllm:kv_cache_usage_perc", "vllm:hysparse_pic_in_use", "vllm:num_requests_running",
-            "vllm:num_requests_waiting")
-    t0 = time.monotonic()
-    last: dict = {}
-    probes, next_probe = 0, t0 + probe_every_s
-    while True:
-        try:
-            m = scrape(root_url)
-            last = {k: m.get(k) for k in keys}
-        except OSError as e:
-            last = {"error": str(e)}
-        if all(last.get(k) == 0 for k in keys):
-            return {"drained": True, "after_s": time.monotonic() - t0, "values": last, "probes": probes}
-        if time.monotonic() - t0 > timeout_s:
-            return {"drained": False, "after_s": time.monotonic() - t0, "values": last, "probes": probes}
-        if time.monotonic() >= next_probe:
-            with contextlib.suppress(OSError):
-                probe_request(root_url)
-            probes += 1
-            next_probe = time.monotonic() + probe_every_s
-        time.sleep(poll_s)
-
-
-# ---------------------------------------------------------------- clients
-
-def percentile(values, q: float):
-    """Linear-interpolated percentile (numpy's default), None for no values."""
-    if not values:
-        return None
-    v = sorted(values)
-    k = (len(v) - 1) * q / 100
-    lo, hi = math.floor(k), math.ceil(k)
-    return v[lo] + (v[hi] - v[lo]) * (k - lo)
-
-
-@dataclass
-class Outcome:
-    job: int
-    kind: str
-    max_tokens: int
-    disconnect_after: int | None
-    t_start: float = 0.0
-    t_first: float | None = None
-    t_end: float | None = None
-    tokens: list[int] = field(default_factory=list)
-    chunks: int = 0
-    finish_reason: str | None = None
-    error: str | None = None
-    disconnected: bool = False
-
-    @property
-    def ttft(self):
-        return None if self.t_first is None else self.t_first - self.t_start
-
-    @property
-    def tpot(self):
-        if self.t_first is None or self.t_end is None or len(self.tokens) < 2 or self.disconnected:
-            return None
-        return (self.t_end - self.t_first) / (len(self.tokens) - 1)
-
-    @property
-    def e2e(self):
-        return None if self.t_end is None else self.t_end - self.t_start
-
-
-def make_client(root_url: str, timeout_s: float, connections: int):
-    import httpx2
-    import openai
-
-    # keepalive_expiry below uvicorn's 5 s keep-alive: a request on a connection the server is closing is reset.
-    limits = httpx2.Limits(max_connections=connections + 16, max_keepalive_connections=connections + 16,
-                           keepalive_expiry=1.0)
-    return openai.AsyncOpenAI(base_url=f"{root_url}/v1", api_key="unused", max_retries=0,
-                              timeout=httpx2.Timeout(timeout_s, connect=30.0), http_client=httpx2.AsyncClient(
-                                  limits=limits, timeout=httpx2.Timeout(timeout_s, connect=30.0)))
-
-
-async def stream_one(client, model: str, spec: Spec, job: Job, idx: int, t0: float, salt: str | None = None
-                     ) -> Outcome:
-    """One streaming request; closes the stream after `job.disconnect_after` chunks with tokens."""
-    out = Outcome(idx, spec.kind, job.max_tokens, job.disconnect_after)
-    body = {"return_token_ids": True, "ignore_eos": True, **spec.xargs()}
-    if salt:
-        body["cache_salt"] = salt
-    out.t_start = time.monotonic() - t0
-    stream = None
-    try:
-        stream = await client.completions.create(model=model, prompt=spec.prompt, max_tokens=job.max_tokens,
-                                                 temperature=0, stream=True, extra_body=body)
-        async for chunk in stream:
-            if not chunk.choices:
-                continue
-            choice = chunk.choices[0]
-            ids = getattr(choice, "token_ids", None) or []
-            if ids:
-                if out.t_first is None:
-                    out.t_first = time.monotonic() - t0
-                out.tokens.extend(ids)
-                out.chunks += 1
-            if choice.finish_reason:
-                out.finish_reason = choice.finish_reason
-            if job.disconnect_after is not None and out.chunks >= job.disconnect_after:
-                out.disconnected = True
-                break
-        out.t_end = time.monotonic() - t0
-    except Exception as e:  # noqa: BLE001 - every failure is a recorded outcome
-        out.error = f"{type(e).__name__}: {e}"[:500]
-        out.t_end = time.monotonic() - t0
-    finally:
-        if stream is not None:
-            with contextlib.suppress(Exception):
-                await stream.close()
-    return out
-
-
-async def run_burst(root_url: str, model: str, specs: list[Spec], jobs: list[Job], timeout_s: float,
-                    overall_s: float, salt: str | None = None) -> tuple[list[Outcome], float]:
-    """All jobs at once, one streaming connection each; (outcomes, wall seconds)."""
-    client = make_client(root_url, timeout_s, len(jobs))
-    t0 = time.monotonic()
-    tasks = [asyncio.create_task(stream_one(client, model, specs[j.spec], j, i, t0, salt))
-             for i, j in enumerate(jobs)]
-    done, pending = await asyncio.wait(tasks, timeout=overall_s)
-    for t in pending:
-        t.cancel()
-    outcomes = []
-    for i, t in enumerate(tasks):
-        if t in done:
-            outcomes.append(t.result())
-        else:
-            o = Outcome(i, specs[jobs[i].spec].kind, jobs[i].max_tokens, jobs[i].disconnect_after,
-                        error=f"not finished within the overall bound of {overall_s:.0f} s")
-            outcomes.append(o)
-    wall = time.monotonic() - t0
-    with contextlib.suppress(Exception):
-        await client.close()
-    return outcomes, wall
-
-
-def alone_answers(root_url: str, model: str, specs: list[Spec], max_tokens: list[int], timeout_s: float,
-                  salt: str = ALONE_SALT) -> list[dict]:
-    """Each spec served alone, one request at a time: token ids and the top-2 logprob margin per position."""
-    import openai
-
-    client = openai.OpenAI(base_url=f"{root_url}/v1", api_key="unused", max_retries=0, timeout=timeout_s)
-    answers = []
-    for spec, n in zip(specs, max_tokens):
-        t = time.monotonic()
-        res = client.completions.create(
-            model=model, prompt=spec.prompt, max_tokens=n, temperature=0, logprobs=2,
-            extra_body={"return_token_ids": True, "ignore_eos": True, "return_tokens_as_token_ids": True,
-                        "cache_salt": salt, **spec.xargs()})
-        choice = res.choices[0]
-        margins = []
-        for top in (choice.logprobs.top_logprobs or []):
-            vals = sorted(top.values(), reverse=True) if top else []
-            margins.append(vals[0] - vals[1] if len(vals) > 1 else None)
-        answers.append({"tokens": list(choice.token_ids), "margins": margins, "s": time.monotonic() - t})
-    client.close()
-    return answers
-
-
-def check_outcomes(outcomes: list[Outcome], jobs: list[Job], answers: list[dict]) -> dict:
-    """Failures and mismatches against the alone answers (a mismatch notes the alone top-2 margin there)."""
-    failed, mismatched, short = [], [], []
-    completed = disconnected = prefix_checked = 0
-    for o, j in zip(outcomes, jobs):
-        want = answers[j.spec]["tokens"][:j.max_tokens]
-        if o.error:
-            failed.append({"job": o.job, "kind": o.kind, "error": o.error})
-            continue
-        if o.disconnected:
-            disconnected += 1
-            got, ref = o.tokens, want[:len(o.tokens)]
-            prefix_checked += 1
-        else:
-            completed += 1
-            got, ref = o.tokens, want
-            if len(got) != j.max_tokens or o.finish_reason != "length":
-                short.append({"job": o.job, "kind": o.kind, "got_len": len(got), "max_tokens": j.max_tokens,
-                              "finish_reason": o.finish_reason})
-        if got != ref:
-            pos = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
-            margins = answers[j.spec]["margins"]
-            mismatched.append({"job": o.job, "spec": j.spec, "kind": o.kind, "disconnected": o.disconnected,
-                               "first_diff": pos, "got": got[pos:pos + 4], "alone": ref[pos:pos + 4],
-                               "alone_top2_margin": margins[pos] if pos < len(margins) else None})
-    return {"completed": completed, "disconnected": disconnected, "failed": failed, "mismatched": mismatched,
-            "wrong_length": short, "prefix_checked": prefix_checked}
-
+# ---------------------------------------------------------------- latency
 
 def latency_stats(outcomes: list[Outcome]) -> dict:
     ok = [o for o in outcomes if not o.error]
@@ -435,35 +85,6 @@ def latency_stats(outcomes: list[Outcome]) -> dict:
             "e2e_p50_ms": ms(percentile(e2e, 50)), "e2e_p99_ms": ms(percentile(e2e, 99)),
             "ttft_mean_ms": ms(statistics.fmean(ttft)) if ttft else None,
             "tpot_mean_ms": ms(statistics.fmean(tpot)) if tpot else None}
-
-
-def model_id(root_url: str) -> str:
-    with urllib.request.urlopen(f"{root_url}/v1/models", timeout=10) as r:
-        return json.loads(r.read())["data"][0]["id"]
-
-
-def ensure_tiny(arch: str, directory: Path) -> Path:
-    from vllm_hysparse.tools.make_checkpoint import write_checkpoint
-
-    path = directory / f"{arch}-tiny"
-    if not (path / "config.json").exists():
-        write_checkpoint(path, arch, "tiny", seed=SEEDS[arch], force=True)
-    return path
-
-
-def serve_cmd(ckpt: Path, port: int, args) -> list[str]:
-    cmd = [str(VLLM), "serve", str(ckpt), "--dtype", "float32", "--port", str(port), "--host", "127.0.0.1",
-           "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(args.max_num_seqs),
-           "--disable-uvicorn-access-log"]
-    return cmd + (["--enforce-eager"] if args.enforce_eager else [])
-
-
-def server_log_problems(path: Path) -> list[str]:
-    """Tracebacks and ERROR lines in a server log (first few)."""
-    if not path.exists():
-        return []
-    lines = path.read_text(errors="replace").splitlines()
-    return [ln[:300] for ln in lines if "Traceback" in ln or " ERROR " in ln][:10]
 
 
 # ---------------------------------------------------------------- one architecture
@@ -667,24 +288,6 @@ def plot(result: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def exit_on_sigterm() -> None:
-    """SIGTERM (e.g. a test's timeout) unwinds the stack, so the server's context manager stops it."""
-    import signal
-
-    def handler(signum, frame):
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, handler)
-
-
-def result_stem(out_dir: Path, prefix: str, start: datetime.datetime, tag: str | None) -> Path:
-    stem = f"{prefix}_{start:%Y-%m-%d_%H%M}" + (f"_{tag}" if tag else "")
-    path, n = out_dir / stem, 2
-    while path.with_suffix(".json").exists():
-        path, n = out_dir / f"{stem}_{n}", n + 1
-    return path
 
 
 def parse_args(argv=None):

@@ -40,10 +40,11 @@ import sys
 import time
 from pathlib import Path
 
+from vllm_hysparse.tools.harness import machine_info  # the same machine record as the serving benchmarks
+
 BENCH_DIR = Path(__file__).resolve().parent
 CHECKPOINT_DIR = BENCH_DIR / "checkpoints"
 RESULTS_DIR = BENCH_DIR / "results" / "pic"
-from serve_bench import machine_info  # noqa: E402  (same machine record as the serving benchmark)
 
 ARCHS = ("hysparse", "hysparse2")
 LABELS = {"hysparse": "HySparse", "hysparse2": "HySparse2"}

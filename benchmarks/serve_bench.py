@@ -10,37 +10,44 @@ the default) and `hysparse2-noexit` (the same checkpoint served with `VLLM_HYSPA
 server gets the same KV memory and `--no-enable-prefix-caching`; `vllm bench serve` drives it (random
 dataset, one run per prompt length). TTFT, TPOT and throughput come from the saved JSON, pages per query
 from the `vllm:hysparse_*` counters on /metrics (delta over each run), the KV lines from the server log,
-and the prefill FLOPs of every configuration are computed (`benchmarks/prefill_flops.py`) next to the
+and the prefill FLOPs of every configuration are computed (`vllm_hysparse/tools/prefill_flops.py`) next to the
 measured TTFT. It writes `benchmarks/results/serve_cpu_<date>[_quick][_HHMM].{json,md,png}` (never over an
 existing file) and prints the Markdown tables. Checkpoints are created once under `benchmarks/checkpoints/`
 (random weights, nothing downloaded).
 """
 
 import argparse
-import contextlib
 import datetime
 import json
 import math
 import os
-import platform
 import re
 import shlex
-import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
+from vllm_hysparse.tools.bench_checkpoints import ensure_dense_checkpoint, ensure_hysparse_checkpoint
+from vllm_hysparse.tools.harness import (
+    VLLM,
+    error_excerpt,
+    free_port,
+    http_get,
+    log_tail,
+    machine_info,
+    pages_per_query,
+    parse_metrics,
+    running_server,
+    serve_env,
+    server_env_settings,
+)
+from vllm_hysparse.tools.prefill_flops import flops_table, paper_ratio
+
 BENCH_DIR = Path(__file__).resolve().parent
 CHECKPOINT_DIR = BENCH_DIR / "checkpoints"
 RESULTS_DIR = BENCH_DIR / "results"
-from prefill_flops import flops_table, paper_ratio  # noqa: E402
-
-from vllm_hysparse.tools.demo_client import wait_until_healthy  # noqa: E402
 
 MODELS = ("dense", "hysparse", "hysparse2", "hysparse2-noexit")
 EARLY_EXIT_ENV = "VLLM_HYSPARSE2_EARLY_EXIT"
@@ -52,7 +59,6 @@ SERVERS = {
     "hysparse2-noexit": {"checkpoint": "hysparse2-small", "env": {EARLY_EXIT_ENV: "0"},
                          "label": "HySparse2 exit off"},
 }
-VLLM = Path(sys.executable).parent / "vllm"
 NOTE_IMPL = ("CPU timings compare implementations as well as architectures: HySparse and HySparse2 attention "
              "runs the batched PyTorch path (sparse layers read only their selected keys; the oracles' decode rows "
              "run a C++ kernel over the pages) while dense Llama, HySparse's SWA branch and HySparse2's "
@@ -64,62 +70,6 @@ NOTE_VLLM_KV = ("vLLM's 'KV cache size' counts every cache group of a hybrid mod
 NOTE_PREFIX = ("Prefix caching is off (`--no-enable-prefix-caching`, every TTFT is a full prefill) unless a "
                "model's settings say `prefix_caching: true`; `prefix_fraction` is the share of each prompt that "
                "all prompts of a run have in common.")
-
-
-# ---------------------------------------------------------------- checkpoints
-
-def ensure_hysparse_checkpoint(path: Path, arch: str = "hysparse") -> Path:
-    """The `small` HySparse (or HySparse2) checkpoint at `path`, written once."""
-    from vllm_hysparse.tools.make_checkpoint import write_checkpoint
-
-    if not (path / "config.json").exists():
-        write_checkpoint(path, arch, "small", force=True)
-    return path
-
-
-def dense_llama_config(hysparse_config, tokenizer):
-    """A LlamaConfig with the HySparse model's dimensions, every layer full attention."""
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=hysparse_config.vocab_size, hidden_size=hysparse_config.hidden_size,
-        intermediate_size=hysparse_config.intermediate_size, num_hidden_layers=hysparse_config.num_hidden_layers,
-        num_attention_heads=hysparse_config.num_attention_heads,
-        num_key_value_heads=hysparse_config.num_key_value_heads, head_dim=hysparse_config.head_dim,
-        max_position_embeddings=32768, rope_theta=10000.0, rms_norm_eps=hysparse_config.rms_norm_eps,
-        tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, dtype="float32")
-
-
-def ensure_dense_checkpoint(path: Path, hysparse_path: Path, seed: int = 0) -> Path:
-    """A randomly initialised float32 Llama with the same dimensions and tokenizer, written once."""
-    if (path / "config.json").exists():
-        return path
-    import torch
-    from transformers import GenerationConfig, LlamaForCausalLM
-
-    from vllm_hysparse.configs import HySparseConfig
-    from vllm_hysparse.tools.presets import TOKENIZER_VOCAB
-    from vllm_hysparse.tools.tokenizer import build_hf_tokenizer
-
-    tokenizer = build_hf_tokenizer(TOKENIZER_VOCAB)
-    config = dense_llama_config(HySparseConfig.from_pretrained(hysparse_path), tokenizer)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:  # written aside and moved into place, so an interrupted run leaves no half checkpoint
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
-                         pad_token_id=config.pad_token_id).save_pretrained(tmp)
-        if path.exists():
-            shutil.rmtree(path)
-        tmp.rename(path)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-    return path
 
 
 # ---------------------------------------------------------------- expectations (from configs, not measured)
@@ -186,28 +136,6 @@ def parse_kv_log(text: str, kv_space_bytes: int) -> dict:
     return out
 
 
-def parse_metrics(text: str) -> dict[str, float]:
-    """`vllm:hysparse_*` samples from a Prometheus text page."""
-    values = {}
-    for line in text.splitlines():
-        if line.startswith("vllm:hysparse_"):
-            name, _, value = line.partition(" ")
-            values[name.split("{")[0]] = float(value.split()[0])
-    return values
-
-
-def pages_per_query(before: dict[str, float], after: dict[str, float]) -> dict:
-    """Pages a sparse query touched and pages a dense query would touch, over one run (counter deltas)."""
-    def delta(name):
-        return after.get(name, 0.0) - before.get(name, 0.0)
-
-    queries = delta("vllm:hysparse_sparse_queries_total")
-    pages, dense = delta("vllm:hysparse_pages_touched_total"), delta("vllm:hysparse_dense_pages_total")
-    if queries <= 0:
-        return {"queries": queries, "pages_per_query": None, "dense_pages_per_query": None}
-    return {"queries": queries, "pages_per_query": pages / queries, "dense_pages_per_query": dense / queries}
-
-
 BENCH_FIELDS = ("completed", "failed", "duration", "total_input_tokens", "total_output_tokens",
                 "request_throughput", "output_throughput", "total_token_throughput",
                 "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
@@ -232,39 +160,10 @@ def param_count(ckpt: Path) -> int:
     return total
 
 
-def save_report(stem: Path, result: dict, text: str) -> None:
-    """`stem.json` (the result) and `stem.md` (the text, also printed)."""
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    stem.with_suffix(".md").write_text(text)
-    print(text)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def serve_command(ckpt: Path, port: int, max_model_len: int, prefix_caching: bool = False) -> list[str]:
     cmd = [str(VLLM), "serve", str(ckpt), "--dtype", "float32", "--port", str(port),
            "--max-model-len", str(max_model_len)]
     return cmd + ([] if prefix_caching else ["--no-enable-prefix-caching"])
-
-
-def server_env_settings(kv_space_gib: int, extra: dict[str, str | None] | None = None) -> dict[str, str | None]:
-    """The variables a server is started with on top of the inherited environment (None: unset)."""
-    return {"VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib), "VLLM_CPU_OMP_THREADS_BIND": "nobind", **(extra or {})}
-
-
-def serve_env(kv_space_gib: int, extra: dict[str, str | None] | None = None) -> dict[str, str]:
-    env = dict(os.environ)
-    for key, value in server_env_settings(kv_space_gib, extra).items():
-        if value is None:
-            env.pop(key, None)
-        else:
-            env[key] = value
-    return env
 
 
 def bench_command(ckpt: Path, root_url: str, input_len: int, output_len: int, num_prompts: int,
@@ -286,11 +185,6 @@ def max_model_len_for(prompt_lens: list[int], output_len: int) -> int:
     return 1024 * math.ceil((max(prompt_lens) + output_len + 64) / 1024)
 
 
-def http_get(url: str, timeout: float = 10) -> str:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return r.read().decode()
-
-
 def warm_up(root_url: str, model: str, timeout_s: float) -> None:
     """One short request so the first measured run does not pay for first-call setup."""
     body = json.dumps({"model": model, "prompt": "def f(x):\n    return", "max_tokens": 4,
@@ -299,49 +193,6 @@ def warm_up(root_url: str, model: str, timeout_s: float) -> None:
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout_s) as r:
         r.read()
-
-
-@contextlib.contextmanager
-def running_server(cmd: list[str], env: dict, log_path: Path, start_timeout_s: float, stop_timeout_s: float = 60):
-    """Start `vllm serve` in its own process group, yield (process, root url), always stop it."""
-    port = cmd[cmd.index("--port") + 1]
-    root_url = f"http://127.0.0.1:{port}"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        wait_until_healthy(root_url, start_timeout_s, proc=proc, poll_s=2.0)
-        yield proc, root_url
-    finally:
-        stop_server(proc, stop_timeout_s)
-
-
-def stop_server(proc: subprocess.Popen, timeout_s: float) -> None:
-    """SIGTERM (vLLM shuts its engine down), then SIGKILL the server's own process group if it hangs."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            pass
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)  # leftover engine-core children of this server only
-    proc.wait()
-
-
-def log_tail(path: Path, lines: int = 40) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
-
-
-def error_excerpt(path: Path, max_lines: int = 40) -> str:
-    """The first traceback / error lines of a server log (what a crash looks like), else its tail."""
-    text = path.read_text(errors="replace").splitlines() if path.exists() else []
-    for i, line in enumerate(text):
-        if "Traceback" in line or " ERROR " in line or "Error:" in line:
-            return "\n".join(text[i:i + max_lines])
-    return "\n".join(text[-max_lines:])
 
 
 # ---------------------------------------------------------------- one model
@@ -428,30 +279,6 @@ def bench_model(name: str, ckpt: Path, args, work: Path) -> dict:
 
 
 # ---------------------------------------------------------------- report
-
-def machine_info() -> dict:
-    import torch
-    import transformers
-    import vllm
-
-    cpu = platform.processor()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    mem = None
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        mem = int(Path("/proc/meminfo").read_text().split("MemTotal:")[1].split()[0]) * 1024
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=BENCH_DIR).stdout.strip()
-    dirty = bool(subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True,
-                                cwd=BENCH_DIR).stdout.strip())
-    return {"platform": platform.platform(), "python": platform.python_version(), "cpu": cpu,
-            "cpu_count": os.cpu_count(), "mem_total_bytes": mem, "gpu": None,
-            "versions": {"torch": torch.__version__, "vllm": vllm.__version__,
-                         "transformers": transformers.__version__},
-            "git_commit": commit, "git_dirty": dirty, "loadavg_1_5_15_at_start": os.getloadavg()}
-
 
 def _fmt(x, digits=0):
     if x is None:
@@ -677,7 +504,7 @@ def markdown_report(result: dict) -> str:
               f"layers see min(t+1, k_g + w = {(hs2.get('topk_tokens') or 0) + (hs2.get('recent_window') or 0):,}) "
               "keys; with early exit the cross-decoder runs on the last prompt token only (bridges still project "
               "K/V for every token); lm_head on one row for every configuration. Top-k, softmax, norms, masks "
-              "are not counted. Formula and code: `benchmarks/prefill_flops.py`, `benchmarks/README.md`.",
+              "are not counted. Formula and code: `vllm_hysparse/tools/prefill_flops.py`, `benchmarks/README.md`.",
               "- CPU-path FLOPs: our PyTorch attention computes masked dense attention over every key up to the "
               "end of its 256-row query chunk (so sparse layers cost as much as full ones) and computes scores "
               "twice in HySparse full layers and HySparse2 cross full layers (oracle / token selection); the "

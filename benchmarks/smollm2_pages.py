@@ -12,13 +12,21 @@ over the same context would touch. Writes `benchmarks/results/smollm2/pages_<dat
 
 import argparse
 import datetime
-import json
 import sys
 from pathlib import Path
 
-BENCH_DIR = Path(__file__).resolve().parent
-from serve_bench import free_port, http_get, pages_per_query, parse_metrics, running_server, serve_env  # noqa: E402
+from vllm_hysparse.tools.harness import (
+    VLLM,
+    free_port,
+    http_get,
+    pages_per_query,
+    parse_metrics,
+    running_server,
+    save_report,
+    serve_env,
+)
 
+BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 RESULTS_DIR = BENCH_DIR / "results" / "smollm2"
 
@@ -36,7 +44,7 @@ def measure(ckpt: Path, ids: list[int], decode: int, work: Path) -> dict:
     from openai import OpenAI
 
     port = free_port()
-    cmd = [str(Path(sys.executable).parent / "vllm"), "serve", str(ckpt), "--dtype", "float32", "--host",
+    cmd = [str(VLLM), "serve", str(ckpt), "--dtype", "float32", "--host",
            "127.0.0.1", "--port", str(port), "--max-model-len", str(len(ids) + decode + 16),
            "--no-enable-prefix-caching"]
     with running_server(cmd, serve_env(3), work / f"pages_{ckpt.name}.log", start_timeout_s=600) as (_, root):
@@ -77,7 +85,6 @@ def main(argv=None) -> int:
               f"dense ({r['pages_per_query'] / r['dense_pages_per_query']:.2f}) over {r['decode_queries']:.0f} "
               "queries", flush=True)
     stem = RESULTS_DIR / f"pages_{datetime.datetime.now():%Y-%m-%d_%H%M}"
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     lines = [f"# KV pages per decode query at {len(ids)} tokens of context", "", f"`{result['command']}`", "",
              "Counter deltas of `vllm:hysparse_pages_touched_total` / `vllm:hysparse_dense_pages_total` / "
              "`vllm:hysparse_sparse_queries_total` between a prefill-only request and the same prompt with "
@@ -87,8 +94,7 @@ def main(argv=None) -> int:
     for name, r in result["students"].items():
         lines.append(f"| {name} | {r['pages_per_query']:.1f} | {r['dense_pages_per_query']:.1f} | "
                      f"{r['pages_per_query'] / r['dense_pages_per_query']:.2f} | {r['decode_queries']:.0f} |")
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    save_report(stem, result, "\n".join(lines) + "\n")
     return 0
 
 

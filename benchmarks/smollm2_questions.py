@@ -11,13 +11,12 @@ match. Writes `benchmarks/results/smollm2/questions_<date>_<HHMM>.{json,md}` and
 
 import argparse
 import datetime
-import json
 import sys
 from pathlib import Path
 
-BENCH_DIR = Path(__file__).resolve().parent
-from serve_bench import free_port, running_server, save_report, serve_env  # noqa: E402
+from vllm_hysparse.tools.harness import VLLM, free_port, running_server, save_report, serve_env
 
+BENCH_DIR = Path(__file__).resolve().parent
 RESULTS_DIR = BENCH_DIR / "results" / "smollm2"
 QUESTIONS = [
     "What is the capital of France?", "What is the capital of Japan?", "What is the capital of Italy?",
@@ -42,7 +41,7 @@ def ask_all(ckpt: Path, kv_gib: int, max_tokens: int, work: Path) -> list[str]:
     from openai import OpenAI
 
     port = free_port()
-    cmd = [str(Path(sys.executable).parent / "vllm"), "serve", str(ckpt), "--dtype", "float32", "--host",
+    cmd = [str(VLLM), "serve", str(ckpt), "--dtype", "float32", "--host",
            "127.0.0.1", "--port", str(port), "--max-model-len", "2048"]
     log = work / f"serve_{ckpt.name}.log"
     print(f"[{ckpt.name}] {' '.join(cmd)}  (log: {log})", flush=True)

@@ -33,35 +33,38 @@ import tempfile
 import time
 from pathlib import Path
 
-from load_test import (
-    ARCHS,
-    LABELS,
-    RESULTS_DIR,
-    SEEDS,
-    DocPool,
-    Job,
+from vllm_hysparse.tools.harness import (
     Monitor,
-    alone_answers,
-    check_outcomes,
-    ensure_tiny,
     error_excerpt,
     exit_on_sigterm,
     free_port,
     machine_info,
-    make_client,
-    make_jobs,
-    make_specs,
     model_id,
     percentile,
     result_stem,
-    run_burst,
     running_server,
-    serve_cmd,
     serve_env,
     server_log_problems,
-    stream_one,
     wait_drained,
 )
+from vllm_hysparse.tools.load_workload import (
+    ARCHS,
+    LABELS,
+    SEEDS,
+    DocPool,
+    Job,
+    alone_answers,
+    check_outcomes,
+    ensure_tiny,
+    make_client,
+    make_jobs,
+    make_specs,
+    run_burst,
+    serve_cmd,
+    stream_one,
+)
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results" / "load"
 
 
 async def closed_loop(root: str, model: str, specs, clients: int, duration_s: float, rng: random.Random,

@@ -63,7 +63,7 @@ import sys
 
 from openai import OpenAI
 
-from vllm_hysparse.tools.demo_client import wait_until_healthy
+from vllm_hysparse.tools.harness import wait_until_healthy
 
 base_url, question = sys.argv[1], sys.argv[2]
 wait_until_healthy(base_url, 600)

@@ -14,33 +14,7 @@ import urllib.request
 
 from openai import OpenAI
 
-
-def wait_until_healthy(base_url: str, timeout_s: float, proc=None, log_tail=lambda: "", poll_s: float = 1.0) -> None:
-    """Polls `<root>/health` until it answers 200 (`base_url`: the server's root or its `/v1` base).
-
-    The one health wait of the repository (the demo, the tests' servers and the benchmarks). With `proc` (the
-    server's `subprocess.Popen`), a server that exits stops the wait at once with a RuntimeError; both errors end
-    with `log_tail()`, the end of the server's log where the caller has one.
-    """
-    import time
-
-    def tail() -> str:
-        text = log_tail()
-        return f":\n{text}" if text else ""
-
-    root = base_url.rsplit("/v1", 1)[0]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"vllm serve exited with {proc.returncode} before it became healthy{tail()}")
-        try:
-            with urllib.request.urlopen(f"{root}/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(poll_s)
-    raise TimeoutError(f"server at {root} did not become healthy within {timeout_s:.0f} s{tail()}")
+from vllm_hysparse.tools.harness import wait_until_healthy
 
 
 def hysparse_metrics(base_url: str) -> list[str]:

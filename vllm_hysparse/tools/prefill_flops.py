@@ -1,0 +1,264 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Prefill FLOPs of dense, HySparse and HySparse2 layouts for one prompt of n tokens (computed, not measured).
+
+    python benchmarks/prefill_flops.py                 # `small` at 512/2048/4096 and the paper layouts at 1M
+    python benchmarks/prefill_flops.py --lens 1024 32768
+    python -m vllm_hysparse.tools.prefill_flops        # the same; `benchmarks/serve_bench.py` imports this module
+
+Counting rules (see benchmarks/README.md, "Prefill FLOPs"):
+
+- every matmul of an m×k by k×n is 2·m·k·n FLOPs; norms, RoPE, softmax, gates' sigmoid, masks and
+  top-k selection are not matmuls and are not counted;
+- projections: q/k/v, o, gates (HySparse sparse: two gates; HySparse2 sliding and cross sparse: one)
+  and HySparse2's bridge K/V projections; MLP (SwiGLU: gate, up, down = 6·d·I per token);
+  lm_head on one row (vLLM computes prompt logits for the last prompt token only);
+- attention of one query over K keys: 2·H·(D_qk + D_v)·K (scores and values); full layers are causal
+  (query t sees t+1 keys); sliding layers and HySparse's SWA branch see min(t+1, window) keys;
+- HySparse's oracle block scores are the full layer's own attention scores (no extra FLOPs); a sparse
+  layer's global branch sees min(t+1, topk·B) keys, an upper bound: when the query's own, partial block
+  is among the top-k blocks, fewer than topk·B keys are visible;
+- HySparse2 cross full layers score every causal key (the token selection reuses those scores);
+  cross sparse layers see min(t+1, k_g + w) keys. With prefill early exit the self-decoder runs on all n
+  tokens, the bridges project K/V for all n tokens and the cross-decoder runs on one row (the last
+  token, t = n−1); without it the cross-decoder runs on all n rows;
+- `path="cpu"` estimates what our CPU implementation executes instead: the PyTorch attention path
+  (HySparse full and sparse layers, HySparse2 cross layers) computes masked *dense* attention over every
+  key up to the end of its 256-row query chunk, and the oracle / token-selection step computes the
+  scores a second time; vLLM's C++ attention (dense Llama, HySparse SWA branch, HySparse2 self-decoder)
+  is counted as in the model.
+"""
+
+import argparse
+from dataclasses import dataclass
+
+QUERY_CHUNK = 256  # rows per chunk of our PyTorch attention path (vllm_hysparse/attention/paged.py)
+F, S, W = "full_attention", "sparse_attention", "sliding_attention"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What the FLOPs count needs from a model config (plain numbers, so paper variants are easy to state)."""
+
+    kind: str  # "dense", "hysparse" or "hysparse2"
+    layer_types: tuple[str, ...]
+    hidden: int
+    heads: int
+    kv_heads: int
+    qk_dim: int
+    v_dim: int
+    intermediate: int  # 0: MLP not modelled
+    vocab: int  # 0: lm_head not modelled
+    gate_width: int = 0  # output width of one gate projection
+    swa_window: int = 128
+    block_size: int = 64  # HySparse
+    topk_blocks: int = 16  # HySparse
+    topk_tokens: int = 1024  # HySparse2 k_g
+    recent_window: int = 128  # HySparse2 w
+    num_self: int = 0  # HySparse2 self-decoder layers
+
+    @property
+    def layers(self) -> int:
+        return len(self.layer_types)
+
+
+def layout_from_config(config, kind: str | None = None, *, mlp: bool = True, lm_head: bool = True,
+                       qk_dim: int | None = None, v_dim: int | None = None) -> Layout:
+    """A Layout from a HySparseConfig / HySparse2Config (or, with kind="dense", any config of that shape)."""
+    kind = kind or config.model_type
+    d = config.head_dim
+    qk, v = qk_dim or d, v_dim or d
+    heads = config.num_attention_heads
+    gate = heads * (v if getattr(config, "gate_type", "elementwise") == "elementwise" else 1)
+    types = tuple(config.layer_types) if kind != "dense" else (F,) * config.num_hidden_layers
+    extra = {}
+    if kind == "hysparse":
+        extra = dict(block_size=config.sparse_block_size, topk_blocks=config.sparse_topk_blocks)
+    elif kind == "hysparse2":
+        extra = dict(topk_tokens=config.sparse_topk_tokens, recent_window=config.recent_window,
+                     num_self=config.num_self_decoder_layers)
+    return Layout(kind=kind, layer_types=types, hidden=config.hidden_size, heads=heads,
+                  kv_heads=config.num_key_value_heads, qk_dim=qk, v_dim=v,
+                  intermediate=config.intermediate_size if mlp else 0, vocab=config.vocab_size if lm_head else 0,
+                  gate_width=gate, swa_window=getattr(config, "swa_window", 128), **extra)
+
+
+# ---------------------------------------------------------------- key counts (sums over query rows)
+
+def capped_keys(n: int, cap: int) -> int:
+    """Σ_{t=0}^{n-1} min(t+1, cap): keys seen by n causal queries that each see at most `cap` keys."""
+    if n <= cap:
+        return n * (n + 1) // 2
+    return cap * (cap + 1) // 2 + (n - cap) * cap
+
+
+def causal_keys(n: int) -> int:
+    return n * (n + 1) // 2
+
+
+def chunked_keys(n: int, chunk: int = QUERY_CHUNK) -> int:
+    """Keys our PyTorch path computes for n prompt rows: each 256-row chunk scores every key up to its end."""
+    return sum((min(s + chunk, n) - s) * min(s + chunk, n) for s in range(0, n, chunk))
+
+
+# ---------------------------------------------------------------- FLOPs
+
+def _qkv_o(lay: Layout) -> int:
+    """q, k, v and o projections of one token in a layer that owns its K/V."""
+    d, h, g = lay.hidden, lay.heads, lay.kv_heads
+    return 2 * d * (h * lay.qk_dim + g * lay.qk_dim + g * lay.v_dim) + 2 * h * lay.v_dim * d
+
+
+def _q_o(lay: Layout) -> int:
+    """q and o projections of one token in a HySparse2 cross layer (its K/V come from a bridge)."""
+    return 2 * lay.hidden * lay.heads * lay.qk_dim + 2 * lay.heads * lay.v_dim * lay.hidden
+
+
+def prefill_flops(lay: Layout, n: int, *, early_exit: bool = True, path: str = "model") -> dict[str, float]:
+    """FLOPs to prefill one prompt of `n` tokens, by part (projections, mlp, attention, lm_head, total).
+
+    `early_exit` only matters for HySparse2. `path="model"` counts the architecture (module docstring);
+    `path="cpu"` estimates what our CPU implementation executes (dense masked attention in the PyTorch
+    path, scores computed twice for oracle / token selection).
+    """
+    if path not in ("model", "cpu"):
+        raise ValueError(f"path: must be 'model' or 'cpu' (got {path!r})")
+    cpu = path == "cpu"
+    d = lay.hidden
+    per_key = 2 * lay.heads * (lay.qk_dim + lay.v_dim)  # scores + values, one query, one key
+    score_only = 2 * lay.heads * lay.qk_dim
+    mlp_tok = 6 * d * lay.intermediate
+    gate_tok = 2 * d * lay.gate_width
+    proj = mlp = attn = 0.0
+
+    def torch_path(rows_keys: int) -> float:  # our PyTorch path: masked dense attention (cpu) or the model count
+        return rows_keys * per_key
+
+    if lay.kind in ("dense", "hysparse"):
+        for kind in lay.layer_types:
+            mlp += n * mlp_tok
+            proj += n * _qkv_o(lay)
+            if lay.kind == "dense" or kind == F:
+                if lay.kind == "hysparse" and cpu:  # oracle: dense attention + scores again for the block top-k
+                    attn += chunked_keys(n) * (per_key + score_only)
+                else:
+                    attn += causal_keys(n) * per_key
+                continue
+            proj += n * 2 * gate_tok  # sparse-branch and SWA-branch gates
+            window = capped_keys(n, lay.swa_window) * per_key  # SWA branch (vLLM's C++ attention on CPU)
+            glob = (chunked_keys(n) if cpu else capped_keys(n, lay.topk_blocks * lay.block_size)) * per_key
+            attn += window + glob
+    elif lay.kind == "hysparse2":
+        for i in range(lay.num_self):  # self-decoder: every prompt token (vLLM's C++ attention on CPU)
+            kind = lay.layer_types[i]
+            mlp += n * mlp_tok
+            proj += n * _qkv_o(lay) + (n * gate_tok if kind == W else 0)
+            attn += (causal_keys(n) if kind == F else capped_keys(n, lay.swa_window)) * per_key
+        cross_full = [i for i in range(lay.num_self, lay.layers) if lay.layer_types[i] == F]
+        proj += len(cross_full) * n * 2 * d * lay.kv_heads * (lay.qk_dim + lay.v_dim)  # bridges, all n tokens
+        rows = 1 if early_exit else n
+        budget = lay.topk_tokens + lay.recent_window
+        for i in range(lay.num_self, lay.layers):
+            kind = lay.layer_types[i]
+            mlp += rows * mlp_tok
+            proj += rows * _q_o(lay) + (rows * gate_tok if kind == S else 0)
+            if early_exit:  # the last prompt token, t = n - 1: a rectangle of n keys on our path too
+                keys_full, keys_sparse = n, (n if cpu else min(n, budget))
+            else:
+                keys_full = chunked_keys(n) if cpu else causal_keys(n)
+                keys_sparse = chunked_keys(n) if cpu else capped_keys(n, budget)
+            if kind == F:
+                attn += keys_full * (per_key + (score_only if cpu else 0))  # cpu: token top-k scores again
+            else:
+                attn += torch_path(keys_sparse)
+    else:
+        raise ValueError(f"kind: must be 'dense', 'hysparse' or 'hysparse2' (got {lay.kind!r})")
+    head = 2.0 * d * lay.vocab  # one row of logits
+    total = proj + mlp + attn + head
+    return {"projections": proj, "mlp": mlp, "attention": attn, "lm_head": head, "total": total}
+
+
+# ---------------------------------------------------------------- configurations of the serving benchmark
+
+CONFIGS = ("dense", "hysparse", "hysparse2", "hysparse2-noexit")
+
+
+def small_layouts() -> dict[str, Layout]:
+    """The served `small` layouts: dense Llama of HySparse's shape, HySparse, HySparse2 (exit on / off share one)."""
+    from vllm_hysparse.tools.make_checkpoint import build_config
+
+    hs, hs2 = build_config("hysparse", "small", None), build_config("hysparse2", "small", None)
+    return {"dense": layout_from_config(hs, "dense"), "hysparse": layout_from_config(hs),
+            "hysparse2": layout_from_config(hs2)}
+
+
+def config_flops(layouts: dict[str, Layout], config: str, n: int, path: str = "model") -> dict[str, float]:
+    """prefill_flops of one benchmark configuration (`hysparse2-noexit`: HySparse2 without early exit)."""
+    if config == "hysparse2-noexit":
+        return prefill_flops(layouts["hysparse2"], n, early_exit=False, path=path)
+    return prefill_flops(layouts[config], n, path=path)
+
+
+def flops_table(lens: list[int]) -> dict:
+    """{n: {config: {"model": total, "cpu": total, "model_parts": {...}}}} for the `small` configurations."""
+    layouts = small_layouts()
+    out = {}
+    for n in lens:
+        out[n] = {}
+        for c in CONFIGS:
+            m = config_flops(layouts, c, n)
+            out[n][c] = {"model": m["total"], "cpu": config_flops(layouts, c, n, "cpu")["total"], "model_parts": m}
+    return out
+
+
+PAPER_ANCHOR = 2.92  # HySparse2 paper, Fig. 4: prefill FLOPs vs HySparse at 1M tokens
+
+
+def paper_ratio(n: int = 1 << 20) -> dict:
+    """HySparse 80B / HySparse2 80B prefill FLOPs at n tokens, attention + projections only (no MoE FFN, no lm_head).
+
+    HySparse is counted twice: with the head dims of our `paper` preset (128/128, the HySparse paper's
+    Table 1) and with the 192/128 (QK/V) that the HySparse2 paper's Table 1 gives its HySparse baseline.
+    """
+    from vllm_hysparse.tools.make_checkpoint import build_config
+
+    hs, hs2 = build_config("hysparse", "paper", None), build_config("hysparse2", "paper", None)
+    lay2 = layout_from_config(hs2, mlp=False, lm_head=False)
+    h2 = prefill_flops(lay2, n, early_exit=True)
+    h2_noexit = prefill_flops(lay2, n, early_exit=False)
+    rows = {}
+    for label, qk in (("HySparse head dim 128/128 (our `paper` preset)", None),
+                      ("HySparse head dim QK 192 / V 128 (HySparse2 paper's baseline)", 192)):
+        h = prefill_flops(layout_from_config(hs, mlp=False, lm_head=False, qk_dim=qk, v_dim=hs.head_dim), n)
+        rows[label] = {"hysparse": h["total"], "hysparse_attention": h["attention"],
+                       "ratio_exit": h["total"] / h2["total"], "ratio_noexit": h["total"] / h2_noexit["total"]}
+    return {"n": n, "hysparse2": h2["total"], "hysparse2_attention": h2["attention"],
+            "hysparse2_noexit": h2_noexit["total"], "rows": rows, "paper_anchor": PAPER_ANCHOR}
+
+
+def _g(x: float) -> str:
+    return f"{x / 1e9:,.1f}"
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lens", type=int, nargs="+", default=[512, 2048, 4096])
+    args = parser.parse_args(argv)
+    table = flops_table(args.lens)
+    print("| prompt | config | GFLOPs (model) | GFLOPs (our CPU path, approx.) | HySparse/this | dense/this |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: |")
+    for n, row in table.items():
+        for c in CONFIGS:
+            f = row[c]["model"]
+            print(f"| {n} | {c} | {_g(f)} | {_g(row[c]['cpu'])} | {row['hysparse']['model'] / f:.2f}× | "
+                  f"{row['dense']['model'] / f:.2f}× |")
+    p = paper_ratio()
+    print(f"\nPaper layouts at n = {p['n']:,} tokens (attention + projections; MoE FFN and lm_head not modelled):")
+    print(f"HySparse2 80B, early exit: {p['hysparse2'] / 1e15:,.1f} PFLOPs; "
+          f"without: {p['hysparse2_noexit'] / 1e15:,.1f}")
+    for label, r in p["rows"].items():
+        print(f"{label}: {r['hysparse'] / 1e15:,.1f} PFLOPs; HySparse / HySparse2 = {r['ratio_exit']:.2f}× "
+              f"(early exit), {r['ratio_noexit']:.2f}× (no exit); paper: {PAPER_ANCHOR}×")
+
+
+if __name__ == "__main__":
+    main()
