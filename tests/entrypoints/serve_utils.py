@@ -2,11 +2,8 @@
 """A real `vllm serve` process for tests that talk HTTP to it (loopback only, bounded waits)."""
 
 import contextlib
-import os
 import signal
-import socket
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,16 +11,18 @@ import httpx
 
 import tests.vllm_utils  # noqa: F401  (CPU engine environment, before vLLM starts)
 from vllm_hysparse.metrics import METRICS_DIR_ENV
-from vllm_hysparse.tools.demo_client import wait_until_healthy
+from vllm_hysparse.tools import harness
+from vllm_hysparse.tools.harness import free_port, wait_until_healthy
 
-VLLM = str(Path(sys.executable).parent / "vllm")
+VLLM = str(harness.VLLM)
+# On top of the harness's server settings (`harness.server_env_settings`: KV memory, no thread binding).
 # VLLM_ENABLE_V1_MULTIPROCESSING=0: the server still runs its engine core in a process of its own (vLLM's async
 # client always does), but the worker runs inside it (vllm/platforms/cpu.py keeps the "uni" executor), one process
 # start less per server. `USER_TOPOLOGY` restores vLLM's own layout (API server, engine core, worker) where a test
 # needs it: the fault tests kill the worker, the security test counts each process's listeners, and test_serve
 # starts one server exactly as a user would.
-SERVE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-             "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+KV_SPACE_GIB = 1
+SERVE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 USER_TOPOLOGY = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
 # The shared tiny servers of tests/entrypoints/conftest.py.
 API_KEY = "hostile-test-key"
@@ -48,14 +47,7 @@ def server_env(extra: dict | None = None) -> dict[str, str]:
     The plugin's metrics collector sets the directory in this process once an in-process engine has started;
     a server that inherited it would publish into that engine's directory and report its counters as its own.
     """
-    env = {k: v for k, v in os.environ.items() if k != METRICS_DIR_ENV}
-    return {**env, **SERVE_ENV, **(extra or {})}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return harness.serve_env(KV_SPACE_GIB, {METRICS_DIR_ENV: None, **SERVE_ENV, **(extra or {})})
 
 
 @dataclass

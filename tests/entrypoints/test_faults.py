@@ -15,33 +15,22 @@ exactly that, with bounded waits everywhere.
 import json
 import signal
 import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import psutil
 import pytest
 
 import vllm_hysparse  # noqa: F401
-from tests.entrypoints.serve_utils import USER_TOPOLOGY, server_env
+from tests.entrypoints.serve_utils import USER_TOPOLOGY, VLLM, server_env
 from tests.vllm_utils import random_prompts
-from vllm_hysparse.tools.demo_client import wait_until_healthy
+from vllm_hysparse.tools.harness import free_port, wait_until_healthy
 from vllm_hysparse.tools.make_checkpoint import write_checkpoint
 
-VLLM = str(Path(sys.executable).parent / "vllm")
 MAX_TOKENS = 900          # far more than the streams get before the kill
 STREAMS_END_S = 30        # in-flight streams must end this soon after the kill
 SERVER_EXITS_S = 60       # ... and the server must have exited (or recovered) this soon
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +139,7 @@ def _wait(predicate, timeout: float, what: str, poll: float = 0.1):
 @pytest.mark.parametrize("target", list(TARGETS))
 def test_killed_mid_stream(ckpt, tmp_path, target):
     log = tmp_path / "serve.log"
-    port = _free_port()
+    port = free_port()
     with open(log, "w") as out:
         proc = subprocess.Popen([VLLM, "serve", str(ckpt), "--dtype", "float32", "--port", str(port),
                                  "--host", "127.0.0.1", "--max-model-len", "1024", "--enforce-eager"],

@@ -10,8 +10,6 @@ boot at once) serve the whole module.
 """
 
 import subprocess
-import sys
-from pathlib import Path
 
 import tests.vllm_utils  # noqa: F401  (CPU engine environment, before vLLM starts)
 
@@ -21,15 +19,14 @@ import requests
 from transformers import AutoTokenizer
 
 import vllm_hysparse  # noqa: F401
-from tests.entrypoints.serve_utils import server_env
+from tests.entrypoints.serve_utils import VLLM, server_env
 from tests.vllm_utils import make_llm, random_prompts, shutdown
 from vllm_hysparse.pic.client import pic_extra_body, pic_prompt, pic_text_extra_body
 from vllm_hysparse.pic.frontend import is_pic_model, pic_cache_salt
 from vllm_hysparse.pic.layout import PICLayout
-from vllm_hysparse.tools.demo_client import wait_until_healthy
+from vllm_hysparse.tools.harness import free_port, wait_until_healthy
 from vllm_hysparse.tools.make_checkpoint import write_checkpoint
 
-VLLM = str(Path(sys.executable).parent / "vllm")
 API_KEY = "pic-test-key"
 BLOCK = 32
 PROMPT_LEN = 4 * BLOCK + 5  # 4 full pages
@@ -56,14 +53,6 @@ TEXTS = ["You are a careful assistant. Answer from the documents only. " * 3,
          "Question: which river flows through Vienna?"]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server_ckpt(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("pic-serve") / "tiny2", "hysparse2", "tiny", seed=31)
@@ -72,7 +61,7 @@ def server_ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server_proc(server_ckpt, tmp_path_factory):
     """`vllm serve` on HySparse2 with no PIC flag, an API key and per-request cached-token counts."""
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("pic-serve-log") / "serve.log"
     # HySparse2's early exit refuses prompt logprobs on its own; turn it off so that the
     # PIC refusal is the one under test.

@@ -11,7 +11,6 @@ shown through `vllm serve`, where the user sees it.
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,13 +19,13 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import vllm_hysparse  # noqa: F401  (registers our configs and models)
-from tests.entrypoints.serve_utils import server_env
+from tests.entrypoints.serve_utils import VLLM, server_env
 from tests.vllm_utils import offline_load_errors
 from vllm_hysparse.reference import CheckpointError
 from vllm_hysparse.tools import convert as cv
+from vllm_hysparse.tools.harness import free_port
 from vllm_hysparse.tools.make_checkpoint import write_checkpoint
 
-VLLM = str(Path(sys.executable).parent / "vllm")
 SHARD = "model-00002-of-00008.safetensors"
 NAN_TENSOR = "model.layers.2.mlp.down_proj.weight"
 
@@ -112,13 +111,8 @@ def _line(message: str, text: str) -> str:
 
 def serve_fails(model: Path) -> str:
     """`vllm serve` on `model` must exit non-zero, by itself and in bounded time; returns its output."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     result = subprocess.run([VLLM, "serve", str(model), "--dtype", "float32", "--host", "127.0.0.1",
-                             "--port", str(port), "--max-model-len", "512", "--enforce-eager"],
+                             "--port", str(free_port()), "--max-model-len", "512", "--enforce-eager"],
                             capture_output=True, text=True, timeout=300, env=server_env())
     assert result.returncode != 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout + result.stderr
