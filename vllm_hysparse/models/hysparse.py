@@ -10,14 +10,13 @@ The two branches are mixed with sigmoid gates.
 
 Follows vLLM's `vllm/model_executor/models/qwen3.py` (attention with optional
 per-head q/k RMSNorm, pre-norm decoder layer, `make_layers` model with pipeline
-stages, causal LM with a logits processor). It differs in: the sparse layers'
+stages, causal LM with a logits processor, here `causal_lm.HybridForCausalLM`). It differs in: the sparse layers'
 two-branch attention (fused q / SWA-K/V projection, gates, sinks), the KV
 sharing of sparse layers with their block's full layer, the MoE MLP
 (`layers.SparseMoeBlock`, Qwen3-MoE style), and the strict loader
 (`loader.load_checked`) in place of `AutoWeightsLoader`.
 """
 
-from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -28,30 +27,27 @@ from vllm.distributed.utils import get_pp_indices
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import MergedColumnParallelLinear
-from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-from vllm.model_executor.models.interfaces import SupportsLoRA, SupportsPP
+from vllm.model_executor.models.interfaces import SupportsLoRA
 from vllm.model_executor.models.utils import (
     PPMissingLayer,
     extract_layer_index,
     make_empty_intermediate_tensors_factory,
     make_layers,
-    maybe_prefix,
 )
 from vllm.sequence import IntermediateTensors
 
 from vllm_hysparse.attention.backend import BlockSelection, HySparseAttentionBackend
 from vllm_hysparse.configs import HySparseConfig
 from vllm_hysparse.configs.tensors import layer_kind
+from vllm_hysparse.models.causal_lm import HybridForCausalLM
 from vllm_hysparse.models.layers import (
     PreNormDecoderLayer,
     apply_gate,
     gate_width,
     head_norm,
-    log_kv_report,
-    make_lm_head,
     make_sinks,
     maybe_head_norm,
     plain_full_attention,
@@ -59,7 +55,7 @@ from vllm_hysparse.models.layers import (
     separate_v,
     window_attention,
 )
-from vllm_hysparse.models.loader import QKV_STACK, load_checked
+from vllm_hysparse.models.loader import QKV_STACK
 from vllm_hysparse.models.tp_heads import HeadSplit
 
 # HF module under `self_attn.` -> (vLLM parameter owner, shard id) of the fused projections.
@@ -223,7 +219,8 @@ class HySparseModel(nn.Module):
         return hidden_states
 
 
-class HySparseForCausalLM(nn.Module, SupportsLoRA, SupportsPP):
+class HySparseForCausalLM(HybridForCausalLM, SupportsLoRA):
+    config_class, model_class, stacks = HySparseConfig, HySparseModel, STACKS
     # Fused vLLM module -> the checkpoint modules it stacks (quantization ignore lists, LoRA).
     packed_modules_mapping = {
         "qkv_proj": ["q_proj", "k_proj", "v_proj"],
@@ -231,29 +228,3 @@ class HySparseForCausalLM(nn.Module, SupportsLoRA, SupportsPP):
         "gate_proj": ["sparse_gate_proj", "swa_gate_proj"],
         "gate_up_proj": ["gate_proj", "up_proj"],
     }
-
-    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
-        super().__init__()
-        config = vllm_config.model_config.hf_config
-        if not isinstance(config, HySparseConfig):
-            raise ValueError(f"HySparseForCausalLM needs a 'hysparse' config (got model_type {config.model_type!r})")
-        self.config = config
-        self.model = HySparseModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
-        self.lm_head = make_lm_head(config, vllm_config, self.model.embed_tokens, maybe_prefix(prefix, "lm_head"))
-        self.logits_processor = LogitsProcessor(config.vocab_size)
-        self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
-        log_kv_report(config, vllm_config)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_input_ids(input_ids)
-
-    def forward(self, input_ids, positions, intermediate_tensors: IntermediateTensors | None = None,
-                inputs_embeds=None) -> torch.Tensor:
-        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        return self.logits_processor(self.lm_head, hidden_states)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Strict loading: an unknown, missing or mis-shaped tensor is a one-line error naming it."""
-        return load_checked(self, self.config, STACKS, weights)

@@ -26,7 +26,6 @@ attend over per-query selected tokens, and there is no AltUp / per-layer
 embedding; from qwen3 as `hysparse.py` does (gates, sinks, MoE, strict loader).
 """
 
-from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -37,17 +36,14 @@ from vllm.distributed.utils import get_pp_indices
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear
-from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-from vllm.model_executor.models.interfaces import SupportsPP
 from vllm.model_executor.models.utils import (
     PPMissingLayer,
     extract_layer_index,
     make_empty_intermediate_tensors_factory,
     make_layers,
-    maybe_prefix,
 )
 from vllm.sequence import IntermediateTensors
 
@@ -55,13 +51,12 @@ from vllm_hysparse.attention.backend import HySparseAttentionBackend, TokenSelec
 from vllm_hysparse.attention.bridge import bridge_kv_write
 from vllm_hysparse.configs import HySparse2Config
 from vllm_hysparse.configs.tensors import layer_kind
+from vllm_hysparse.models.causal_lm import HybridForCausalLM
 from vllm_hysparse.models.layers import (
     PreNormDecoderLayer,
     apply_gate,
     gate_width,
     head_norm,
-    log_kv_report,
-    make_lm_head,
     make_sinks,
     maybe_head_norm,
     out_proj,
@@ -70,7 +65,7 @@ from vllm_hysparse.models.layers import (
     separate_v,
     window_attention,
 )
-from vllm_hysparse.models.loader import QKV_STACK, load_checked
+from vllm_hysparse.models.loader import QKV_STACK
 from vllm_hysparse.models.tp_heads import HeadSplit
 from vllm_hysparse.vllm_glue.forward_context import batch_described, fast_prefill_logits
 
@@ -458,7 +453,8 @@ def map_bridge_names(quant_config: QuantizationConfig | None, config: HySparse2C
     quant_config.apply_vllm_mapper(WeightsMapper(orig_to_new_prefix=renames))
 
 
-class HySparse2ForCausalLM(nn.Module, SupportsPP):
+class HySparse2ForCausalLM(HybridForCausalLM):
+    config_class, model_class, stacks = HySparse2Config, HySparse2Model, STACKS
     # Fused vLLM module -> the checkpoint modules it stacks (quantization ignore lists, LoRA).
     # A bridge's kv_proj stacks its cross full layer's k_proj and v_proj (see `map_bridge_names`).
     packed_modules_mapping = {
@@ -467,29 +463,5 @@ class HySparse2ForCausalLM(nn.Module, SupportsPP):
         "gate_up_proj": ["gate_proj", "up_proj"],
     }
 
-    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
-        super().__init__()
-        config = vllm_config.model_config.hf_config
-        if not isinstance(config, HySparse2Config):
-            raise ValueError(
-                f"HySparse2ForCausalLM needs a 'hysparse2' config (got model_type {config.model_type!r})")
-        self.config = config
-        map_bridge_names(vllm_config.quant_config, config)
-        self.model = HySparse2Model(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
-        self.lm_head = make_lm_head(config, vllm_config, self.model.embed_tokens, maybe_prefix(prefix, "lm_head"))
-        self.logits_processor = LogitsProcessor(config.vocab_size)
-        self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
-        log_kv_report(config, vllm_config)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_input_ids(input_ids)
-
-    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None) -> torch.Tensor:
-        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        return self.logits_processor(self.lm_head, hidden_states)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Strict loading: an unknown, missing or mis-shaped tensor is a one-line error naming it."""
-        return load_checked(self, self.config, STACKS, weights)
+    def before_body(self, vllm_config: VllmConfig) -> None:
+        map_bridge_names(vllm_config.quant_config, self.config)
