@@ -47,10 +47,10 @@ from vllm_hysparse.models.layers import (
     PreNormDecoderLayer,
     apply_gate,
     gate_width,
-    head_norm,
     make_sinks,
     maybe_head_norm,
     plain_full_attention,
+    project_qkv,
     qkv_and_out,
     separate_v,
     window_attention,
@@ -100,9 +100,7 @@ class HySparseFullAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         h = self.heads
-        qkv, _ = self.qkv_proj(hidden_states)
-        q, k, v = h.split_qkv(qkv)
-        q, k = head_norm(q, self.q_norm, h.head_dim), head_norm(k, self.k_norm, h.head_dim)
+        q, k, v = project_qkv(self.qkv_proj, h, hidden_states, self.q_norm, self.k_norm)
         q, k = self.rotary_emb(positions, q, k)
         if self.oracle:
             out, _ = self.o_proj(h.own_heads(self.attn(h.group_query(q), k, v)))
@@ -142,9 +140,7 @@ class HySparseSparseAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         h = self.heads
-        qkv, _ = self.q_swa_kv_proj(hidden_states)
-        q, k, v = h.split_qkv(qkv)
-        q, k = head_norm(q, self.q_norm, h.head_dim), head_norm(k, self.swa_k_norm, h.head_dim)
+        q, k, v = project_qkv(self.q_swa_kv_proj, h, hidden_states, self.q_norm, self.swa_k_norm)
         q, k = self.rotary_emb(positions, q, k)
         o_sparse = self.attn(q, None, None)
         o_swa = self.swa_attn(q, k, v)

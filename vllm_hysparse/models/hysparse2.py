@@ -61,6 +61,7 @@ from vllm_hysparse.models.layers import (
     maybe_head_norm,
     out_proj,
     plain_full_attention,
+    project_qkv,
     qkv_and_out,
     separate_v,
     window_attention,
@@ -160,9 +161,7 @@ class HySparse2SelfAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         h = self.heads
-        qkv, _ = self.qkv_proj(hidden_states)
-        q, k, v = h.split_qkv(qkv)
-        q, k = head_norm(q, self.q_norm, h.head_dim), head_norm(k, self.k_norm, h.head_dim)
+        q, k, v = project_qkv(self.qkv_proj, h, hidden_states, self.q_norm, self.k_norm)
         q, k = _rotate(self.rotary_emb, positions, q, k)
         o = self.attn(q, k, v)
         if self.sliding:

@@ -188,6 +188,15 @@ def head_norm(x: torch.Tensor, norm: RMSNorm | None, head_dim: int) -> torch.Ten
     return norm(x.view(*x.shape[:-1], -1, head_dim)).view(x.shape)
 
 
+def project_qkv(proj: nn.Module, heads, hidden_states: torch.Tensor, q_norm: RMSNorm | None,
+                k_norm: RMSNorm | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`[T, hidden]` through a fused q/k/v projection -> q `[T, H*D]`, k `[T, G*D]`, v `[T, G*Dv]` of this rank,
+    q and k normed per head (where the config has `qk_norm`), before RoPE."""
+    qkv, _ = proj(hidden_states)
+    q, k, v = heads.split_qkv(qkv)
+    return head_norm(q, q_norm, heads.head_dim), head_norm(k, k_norm, heads.head_dim), v
+
+
 def gate_width(config: HySparseBaseConfig) -> int:
     """Output width of a gate projection: `H*Dv` elementwise, `H` headwise (SPEC §2.5, §2.6)."""
     return config.num_attention_heads * (config.v_head_dim if config.gate_type == "elementwise" else 1)

@@ -64,13 +64,14 @@ class ReferencePreTrainedModel(PreTrainedModel):
 
 
 class ReferenceCausalLM(ReferencePreTrainedModel, GenerationMixin):
-    """Shared `forward` of the two causal LMs; subclasses build `self.model`."""
+    """Shared `forward` of the two causal LMs; subclasses name their body (`model_class`, built from the config)."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    model_class: type
 
-    def __init__(self, config, model: nn.Module):
+    def __init__(self, config):
         super().__init__(config)
-        self.model = model
+        self.model = self.model_class(config)
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.switches = ReferenceSwitches()

@@ -144,8 +144,5 @@ class HySparseModel(nn.Module):
 class HySparseForCausalLM(ReferenceCausalLM):
     """Reference HySparse causal LM: exact SPEC §3 math with a KV cache and autograd."""
 
-    config_class = HySparseConfig
+    config_class, model_class = HySparseConfig, HySparseModel
     _no_split_modules = ["HySparseDecoderLayer"]
-
-    def __init__(self, config: HySparseConfig):
-        super().__init__(config, HySparseModel(config))

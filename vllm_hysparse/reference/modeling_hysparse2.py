@@ -286,8 +286,5 @@ class HySparse2Model(nn.Module):
 class HySparse2ForCausalLM(ReferenceCausalLM):
     """Reference HySparse2 causal LM: exact SPEC §3.3 math with a KV cache, early exit and autograd."""
 
-    config_class = HySparse2Config
+    config_class, model_class = HySparse2Config, HySparse2Model
     _no_split_modules = ["HySparse2DecoderLayer"]
-
-    def __init__(self, config: HySparse2Config):
-        super().__init__(config, HySparse2Model(config))
