@@ -1,13 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""LoRA adapters on HySparse through vLLM's own LoRA machinery (`--enable-lora`), against the reference model
-with each adapter merged into its weights.
+"""LoRA adapters on HySparse and HySparse2 through vLLM's own LoRA machinery (`--enable-lora`), against the
+reference model with each adapter merged into its weights.
 
 The adapters are written here in PEFT's format (`adapter_config.json` and `adapter_model.safetensors`), with
-random factors large enough to move every logprob, on every projection a HySparse layer has: the full layers'
-q/k/v/o, the sparse layers' q/o, SWA K/V and both gates, and the MLPs. Two adapters (in one batch) and the base
-model are served, each request against its own reference. (HySparse2 does not declare LoRA support yet:
-its bridged K/V live under other module names and its early exit runs the cross-decoder on fewer rows than
-vLLM's LoRA mapping holds; vLLM refuses `enable_lora` for it with its own one-line reason.)
+random factors large enough to move every logprob, on every projection a layer has: HySparse's full layers'
+q/k/v/o, its sparse layers' q/o, SWA K/V and both gates; HySparse2's q/k/v/o (a cross full layer's k/v are its
+bridge's, under other module names in vLLM) and its attention gates; the MLPs of both. Two adapters (in one
+batch) and the base model are served, each request against its own reference. HySparse2 runs without prefill
+early exit when LoRA is enabled (`models/config_hooks.py`), which the test checks too.
 """
 
 import json
@@ -27,13 +27,20 @@ SEED = 20261203
 MAX_TOKENS = 6
 LENGTHS = [5, 33, 70, 150]
 MAX_LORA_RANK = 8
-ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "swa_k_proj", "swa_v_proj", "sparse_gate_proj",
-               "swa_gate_proj", "gate_proj", "up_proj", "down_proj"]
-# name -> (rank, alpha, target modules, seed)
-ADAPTERS = {
-    "everything": (4, 8.0, ALL_TARGETS, 1),
-    "attention-only": (8, 4.0, ["q_proj", "o_proj", "swa_k_proj", "swa_v_proj", "sparse_gate_proj"], 2),
+ALL_TARGETS = {
+    "hysparse": ["q_proj", "k_proj", "v_proj", "o_proj", "swa_k_proj", "swa_v_proj", "sparse_gate_proj",
+                 "swa_gate_proj", "gate_proj", "up_proj", "down_proj"],
+    "hysparse2": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
 }
+ATTENTION_TARGETS = {
+    "hysparse": ["q_proj", "o_proj", "swa_k_proj", "swa_v_proj", "sparse_gate_proj"],
+    "hysparse2": ["q_proj", "o_proj", "k_proj", "v_proj"],  # k/v: the bridged ones included
+}
+
+
+def adapter_specs(arch: str) -> dict:
+    """name -> (rank, alpha, target modules, seed)."""
+    return {"everything": (4, 8.0, ALL_TARGETS[arch], 1), "attention-only": (8, 4.0, ATTENTION_TARGETS[arch], 2)}
 
 
 def write_adapter(base: Path, out: Path, rank: int, alpha: float, targets: list[str], seed: int) -> Path:
@@ -62,17 +69,22 @@ def write_adapter(base: Path, out: Path, rank: int, alpha: float, targets: list[
     return adapter
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp("lora") / "tiny", "hysparse", "tiny", seed=SEED % 1000)
+@pytest.fixture(scope="module", params=["hysparse", "hysparse2"])
+def arch(request):
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def adapters(base, tmp_path_factory):
+def base(arch, tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp(f"lora-{arch}") / "tiny", arch, "tiny", seed=SEED % 1000)
+
+
+@pytest.fixture(scope="module")
+def adapters(arch, base, tmp_path_factory):
     """name -> (adapter directory, merged reference model)."""
     out = {}
-    for name, (rank, alpha, targets, seed) in ADAPTERS.items():
-        root = tmp_path_factory.mktemp(f"adapter-{name}")
+    for name, (rank, alpha, targets, seed) in adapter_specs(arch).items():
+        root = tmp_path_factory.mktemp(f"adapter-{arch}-{name}")
         path = write_adapter(base, root, rank, alpha, targets, SEED + seed)
         out[name] = path, AutoModelForCausalLM.from_pretrained(root / "merged", dtype=torch.float32).eval()
     return out
@@ -114,3 +126,21 @@ def test_two_adapters_in_one_batch_match_their_merged_references(llm, base, adap
         moved = max(abs(a.logprobs[0][t] - b.logprobs[0].get(t, -99.0)) for a, b in zip(outs, plain)
                     for t in a.logprobs[0])
         assert moved > 0.05, (name, moved)
+
+
+def test_lora_engines_run_without_early_exit(arch, llm):
+    """With LoRA, HySparse2's cross-decoder runs on every token row (vLLM's adapter mapping covers all of them);
+    HySparse has no early exit."""
+    fast_prefill = llm.llm_engine.vllm_config.cache_config.kv_sharing_fast_prefill
+    assert fast_prefill is False, (arch, fast_prefill)
+
+
+def test_hysparse2_refuses_lora_with_early_exit_forced(tiny_model):
+    """Asked for both, the engine refuses before any worker starts, with one line naming the way out (vLLM reports
+    every `VllmConfig` error inside pydantic's `ValidationError`, our line verbatim)."""
+    with pytest.raises(ValueError) as info:
+        make_llm(tiny_model("hysparse2")[0], enforce_eager=True, enable_lora=True, max_lora_rank=MAX_LORA_RANK,
+                 kv_sharing_fast_prefill=True)
+    line = ("HySparse2: LoRA adapters need prefill early exit off: drop --kv-sharing-fast-prefill (enable_lora turns "
+            "early exit off by itself)")
+    assert line in str(info.value).splitlines()[1], str(info.value)

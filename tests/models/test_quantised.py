@@ -104,7 +104,7 @@ def test_ignore_lists_reach_fused_modules(arch):
     for prefix, shards in fused.items():
         quant = Fp8Config(ignored_layers=list(shards))
         if arch == "hysparse2":
-            hysparse2.map_bridge_names(quant, config)
+            quant.apply_vllm_mapper(hysparse2.bridge_names(config))
         assert is_layer_skipped(prefix, quant.ignored_layers, mapping), prefix
         assert should_ignore_layer(prefix, quant.ignored_layers, mapping), prefix
         others = [p for p in fused if p != prefix]
@@ -112,7 +112,7 @@ def test_ignore_lists_reach_fused_modules(arch):
         if len(shards) > 1:
             partial = Fp8Config(ignored_layers=shards[:1])
             if arch == "hysparse2":
-                hysparse2.map_bridge_names(partial, config)
+                partial.apply_vllm_mapper(hysparse2.bridge_names(config))
             with pytest.raises(ValueError, match="shards"):
                 is_layer_skipped(prefix, partial.ignored_layers, mapping)
 

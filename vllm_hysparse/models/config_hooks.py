@@ -76,14 +76,23 @@ class HySparseConfigUpdater:
 
 class HySparse2ConfigUpdater:
     """The PIC worker, the parallel layout and KV cache dtype checked, and vLLM's KV-sharing fast prefill
-    (HySparse2's prefill early exit) on by default."""
+    (HySparse2's prefill early exit) on by default, off with LoRA."""
 
     @staticmethod
     def verify_and_update_config(vllm_config) -> None:
         check_engine_config(vllm_config)
         select_pic_worker(vllm_config)
         cache_config = vllm_config.cache_config
-        if early_exit_enabled() and not cache_config.kv_sharing_fast_prefill:
+        if vllm_config.lora_config is not None:
+            # vLLM maps LoRA adapters onto every token row of a step (vllm/lora/punica_wrapper); a cross-decoder
+            # that runs on the logits rows only would index that mapping with fewer rows.
+            if cache_config.kv_sharing_fast_prefill:
+                raise ValueError("HySparse2: LoRA adapters need prefill early exit off: drop "
+                                 "--kv-sharing-fast-prefill (enable_lora turns early exit off by itself)")
+            if early_exit_enabled():
+                logger.info("HySparse2: prefill early exit off, because LoRA is enabled (adapters apply to every "
+                            "token row of a step)")
+        elif early_exit_enabled() and not cache_config.kv_sharing_fast_prefill:
             cache_config.kv_sharing_fast_prefill = True
             logger.info("HySparse2: prefill early exit on (cross-decoder runs on logits rows only; "
                         "prompt logprobs need %s=0)", EARLY_EXIT_ENV)

@@ -39,6 +39,7 @@ from vllm.model_executor.layers.linear import ColumnParallelLinear, MergedColumn
 from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from vllm.model_executor.models.interfaces import SupportsLoRA
 from vllm.model_executor.models.utils import (
     PPMissingLayer,
     extract_layer_index,
@@ -435,27 +436,24 @@ class HySparse2Model(nn.Module):
         return result, residual, tapped
 
 
-def map_bridge_names(quant_config: QuantizationConfig | None, config: HySparse2Config) -> None:
-    """Rename a cross full layer's `k_proj` / `v_proj` in the quantization config's module lists to its bridge's.
+def bridge_names(config: HySparse2Config):
+    """A `WeightsMapper` from a cross full layer's `k_proj` / `v_proj` to its bridge's.
 
-    Their weights live in `model.bridges.{c}.kv_proj`, so vLLM asks whether
-    `model.bridges.{c}.k_proj` is skipped; the checkpoint's config names
-    `model.layers.{c}.self_attn.k_proj`. Which layers are bridged depends on the
-    config, so this cannot be a class-level `hf_to_vllm_mapper`.
+    Their weights live in `model.bridges.{c}.kv_proj`, but the checkpoint, its
+    quantization config and a LoRA adapter name `model.layers.{c}.self_attn.k_proj`.
+    Which layers are bridged depends on the config, so this cannot be a
+    class-level `hf_to_vllm_mapper`.
     """
-    if quant_config is None:
-        return
     from vllm.model_executor.models.utils import WeightsMapper
 
-    renames = {f"model.layers.{c}.self_attn.{proj}": f"model.bridges.{c}.{proj}"
-               for c in config.cross_full_layers for proj in ("k_proj", "v_proj")}
-    quant_config.apply_vllm_mapper(WeightsMapper(orig_to_new_prefix=renames))
+    return WeightsMapper(orig_to_new_prefix={f"model.layers.{c}.self_attn.{proj}": f"model.bridges.{c}.{proj}"
+                                             for c in config.cross_full_layers for proj in ("k_proj", "v_proj")})
 
 
-class HySparse2ForCausalLM(HybridForCausalLM):
+class HySparse2ForCausalLM(HybridForCausalLM, SupportsLoRA):
     config_class, model_class, stacks = HySparse2Config, HySparse2Model, STACKS
     # Fused vLLM module -> the checkpoint modules it stacks (quantization ignore lists, LoRA).
-    # A bridge's kv_proj stacks its cross full layer's k_proj and v_proj (see `map_bridge_names`).
+    # A bridge's kv_proj stacks its cross full layer's k_proj and v_proj (see `bridge_names`).
     packed_modules_mapping = {
         "qkv_proj": ["q_proj", "k_proj", "v_proj"],
         "kv_proj": ["k_proj", "v_proj"],
@@ -463,4 +461,9 @@ class HySparse2ForCausalLM(HybridForCausalLM):
     }
 
     def before_body(self, vllm_config: VllmConfig) -> None:
-        map_bridge_names(vllm_config.quant_config, self.config)
+        # The bridged K/V's names: for the quantization config's module lists (vLLM asks whether
+        # `model.bridges.{c}.k_proj` is skipped) and for LoRA adapters (vllm/lora/worker_manager.py reads
+        # `hf_to_vllm_mapper` off the model instance when it loads one).
+        self.hf_to_vllm_mapper = bridge_names(self.config)
+        if vllm_config.quant_config is not None:
+            vllm_config.quant_config.apply_vllm_mapper(self.hf_to_vllm_mapper)
