@@ -144,3 +144,21 @@ def test_hysparse2_refuses_lora_with_early_exit_forced(tiny_model):
     line = ("HySparse2: LoRA adapters need prefill early exit off: drop --kv-sharing-fast-prefill (enable_lora turns "
             "early exit off by itself)")
     assert line in str(info.value).splitlines()[1], str(info.value)
+
+
+def test_adapter_at_tensor_parallel_2_matches_its_merged_reference(arch, base, adapters):
+    """The same adapter with the model split over two ranks: vLLM's LoRA layers shard the factors as the
+    projections are sharded (column-parallel B, row-parallel A), and HySparse2's MQA K/V are replicated."""
+    from vllm.lora.request import LoRARequest
+
+    path, merged = adapters["everything"]
+    prompts = random_prompts(LENGTHS, merged.config.vocab_size, seed=SEED + 7)
+    expected = reference_greedy(merged, prompts, MAX_TOKENS)
+    llm = make_llm(base, enforce_eager=True, block_size=32, max_model_len=512, tensor_parallel_size=2,
+                   enable_lora=True, max_loras=1, max_lora_rank=MAX_LORA_RANK)
+    try:
+        got = vllm_greedy(llm, prompts, MAX_TOKENS, lora_request=LoRARequest("everything", 1, str(path)))
+    finally:
+        shutdown(llm)
+    matched = check_logprobs_close(expected, got, min_matched=1.0)
+    assert matched == len(prompts) * MAX_TOKENS, (arch, matched)
