@@ -10,16 +10,12 @@ batch) and the base model are served, each request against its own reference. Hy
 early exit when LoRA is enabled (`models/config_hooks.py`), which the test checks too.
 """
 
-import json
-import shutil
-from pathlib import Path
-
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 import vllm_hysparse  # noqa: F401
+from tests.lora_utils import adapter_specs, write_adapter
 from tests.vllm_utils import check_logprobs_close, make_llm, random_prompts, reference_greedy, shutdown, vllm_greedy
 from vllm_hysparse.tools.make_checkpoint import write_checkpoint
 
@@ -27,48 +23,6 @@ SEED = 20261203
 MAX_TOKENS = 6
 LENGTHS = [5, 33, 70, 150]
 MAX_LORA_RANK = 8
-ALL_TARGETS = {
-    "hysparse": ["q_proj", "k_proj", "v_proj", "o_proj", "swa_k_proj", "swa_v_proj", "sparse_gate_proj",
-                 "swa_gate_proj", "gate_proj", "up_proj", "down_proj"],
-    "hysparse2": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-}
-ATTENTION_TARGETS = {
-    "hysparse": ["q_proj", "o_proj", "swa_k_proj", "swa_v_proj", "sparse_gate_proj"],
-    "hysparse2": ["q_proj", "o_proj", "k_proj", "v_proj"],  # k/v: the bridged ones included
-}
-
-
-def adapter_specs(arch: str) -> dict:
-    """name -> (rank, alpha, target modules, seed)."""
-    return {"everything": (4, 8.0, ALL_TARGETS[arch], 1), "attention-only": (8, 4.0, ATTENTION_TARGETS[arch], 2)}
-
-
-def write_adapter(base: Path, out: Path, rank: int, alpha: float, targets: list[str], seed: int) -> Path:
-    """A PEFT LoRA adapter for `base` with random factors on `targets`; also writes `out/merged`, the base with
-    `W + alpha / rank * B A` on each target (the reference). Returns the adapter directory."""
-    weights = load_file(base / "model.safetensors")
-    gen = torch.Generator().manual_seed(seed)
-    factors, merged = {}, dict(weights)
-    for name, w in weights.items():
-        module = name.removesuffix(".weight")
-        if not name.endswith(".weight") or module.rsplit(".", 1)[-1] not in targets or w.dim() != 2:
-            continue
-        a = torch.randn(rank, w.shape[1], generator=gen) / w.shape[1] ** 0.5
-        b = torch.randn(w.shape[0], rank, generator=gen) * 0.5
-        factors[f"base_model.model.{module}.lora_A.weight"] = a
-        factors[f"base_model.model.{module}.lora_B.weight"] = b
-        merged[name] = w + (alpha / rank) * b @ a
-    adapter = out / "adapter"
-    adapter.mkdir(parents=True)
-    save_file(factors, adapter / "adapter_model.safetensors")
-    (adapter / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha, "target_modules": targets,
-        "bias": "none", "base_model_name_or_path": str(base)}))
-    shutil.copytree(base, out / "merged")
-    save_file(merged, out / "merged" / "model.safetensors")
-    return adapter
-
-
 @pytest.fixture(scope="module", params=["hysparse", "hysparse2"])
 def arch(request):
     return request.param
