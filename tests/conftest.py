@@ -15,6 +15,7 @@
 """
 
 import collections
+import contextlib
 import json
 import os
 import subprocess
@@ -280,3 +281,28 @@ def shared_engine(tiny_model):
 
     yield get
     POOL.release()
+
+
+@pytest.fixture(scope="session")
+def shared_server(tmp_path_factory):
+    """`shared_server(arch, *serve_args, seed=CANONICAL_SEED, api_key=None)` -> a healthy `serve_utils.Server` of
+    the tiny `arch` checkpoint, keyed by (arch, seed, serve arguments, API key): started when first asked for,
+    shared by every test file of this process that asks for the same key, stopped at the end of the session. A
+    server that died before a test asks for it fails that test with the server's death report."""
+    from tests.entrypoints.serve_utils import serve
+
+    servers: dict[tuple, object] = {}
+    with contextlib.ExitStack() as stack:
+        def get(arch: str, *serve_args: str, seed: int = CANONICAL_SEED, api_key: str | None = None):
+            key = (arch, seed, serve_args, api_key)
+            if key not in servers:
+                from vllm_hysparse.tools.make_checkpoint import write_checkpoint
+
+                root = tmp_path_factory.mktemp(f"served-{arch}")
+                ckpt = write_checkpoint(root / "tiny", arch, "tiny", seed=seed)
+                servers[key] = stack.enter_context(serve(ckpt, root / "serve.log", *serve_args, api_key=api_key))
+            if (death := servers[key].death()) is not None:
+                pytest.fail(f"the shared {arch} server is gone before this test: {death}", pytrace=False)
+            return servers[key]
+
+        yield get
