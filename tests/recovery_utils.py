@@ -44,11 +44,21 @@ def fixed_seed(request) -> int:
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     """{"teacher", "hysparse", "hysparse2"} -> checkpoint directories."""
-    root = tmp_path_factory.mktemp("recovery")
+    return write_checkpoints(tmp_path_factory.mktemp("recovery"))
+
+
+@pytest.fixture(scope="session")
+def servable_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """As `checkpoints`, with a head size vLLM's CPU attention serves (32; the others have 16)."""
+    return write_checkpoints(tmp_path_factory.mktemp("recovery-servable"), hidden_size=128)
+
+
+def write_checkpoints(root: Path, hidden_size: int = 64) -> dict[str, Path]:
+    """A small random Llama teacher (4 heads) and its HySparse and HySparse2 conversions under `root`."""
     tok = build_hf_tokenizer(8192)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         tie_word_embeddings=True)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                         num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, tie_word_embeddings=True)
     torch.manual_seed(0)
     teacher = LlamaForCausalLM(config).eval()
     randomise(teacher, seed=0)  # peaked attention: selection and sharing matter

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 import vllm_hysparse  # noqa: F401
 from tests.lora_utils import adapter_specs, write_adapter
+from tests.recovery_utils import servable_checkpoints  # noqa: F401  (fixture)
 from tests.vllm_utils import check_logprobs_close, make_llm, random_prompts, reference_greedy, shutdown, vllm_greedy
 from vllm_hysparse.tools.make_checkpoint import write_checkpoint
 
@@ -116,3 +117,37 @@ def test_adapter_at_tensor_parallel_2_matches_its_merged_reference(arch, base, a
         shutdown(llm)
     matched = check_logprobs_close(expected, got, min_matched=1.0)
     assert matched == len(prompts) * MAX_TOKENS, (arch, matched)
+
+
+def test_exported_recovery_delta_serves_as_the_recovered_checkpoint(arch, servable_checkpoints, tmp_path):
+    """A LoRA-only recovery delta (`recovery train --lora-only`), exported with `recovery export-peft` and served
+    as an adapter on its converted base, answers as the checkpoint `recovery apply` writes (the reference)."""
+    from vllm.lora.request import LoRARequest
+
+    from vllm_hysparse.recovery import __main__ as recovery
+
+    checkpoints = servable_checkpoints
+    base, delta, adapter, recovered = checkpoints[arch], tmp_path / "delta", tmp_path / "adapter", tmp_path / "rec"
+    assert recovery.main(["train", "--teacher", str(checkpoints["teacher"]), "--student", str(base), "--delta",
+                          str(delta), "--lora-only", "--rank", "4", "--alpha", "16", "--stage1-minutes", "0.05",
+                          "--stage2-minutes", "0", "--seq-len", "64", "--windows", "4", "--train-chars", "40000",
+                          "--heldout-windows", "1", "--heldout-seq-len", "64", "--seed", str(SEED % 1000)]) == 0
+    assert recovery.main(["export-peft", "--base", str(base), "--delta", str(delta), "--out", str(adapter)]) == 0
+    assert recovery.main(["apply", "--base", str(base), "--delta", str(delta), "--out", str(recovered)]) == 0
+    reference = AutoModelForCausalLM.from_pretrained(recovered, dtype=torch.float32).eval()
+    plain = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    prompts = random_prompts([6, 50, 120], reference.config.vocab_size, seed=SEED + 11)
+    expected = reference_greedy(reference, prompts, MAX_TOKENS)
+    llm = make_llm(base, enforce_eager=True, block_size=32, max_model_len=256, enable_lora=True, max_loras=1,
+                   max_lora_rank=MAX_LORA_RANK)
+    try:
+        got = vllm_greedy(llm, prompts, MAX_TOKENS, lora_request=LoRARequest("recovered", 1, str(adapter)))
+    finally:
+        shutdown(llm)
+    assert check_logprobs_close(expected, got, min_matched=1.0) == len(prompts) * MAX_TOKENS
+    # Training moved the model, so serving the base alone would not pass the comparison above.
+    unmoved = reference_greedy(plain, prompts, MAX_TOKENS)
+    moved = max(abs(a.logprobs[0][t] - b.logprobs[0].get(t, -99.0)) for a, b in zip(expected, unmoved)
+                for t in a.logprobs[0])
+    print(f"adapter moved the first logprobs by up to {moved:.4f}")
+    assert moved > 0.02, moved

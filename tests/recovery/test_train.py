@@ -174,6 +174,46 @@ def test_cli_train_resumes_from_a_delta(checkpoints, tmp_path, capsys):
     assert rc == 2 and err.startswith("error: ") and err.count("\n") == 1 and not third.exists(), err
 
 
+def test_lora_only_delta_exports_as_a_peft_adapter(checkpoints, tmp_path, capsys):
+    """`train --lora-only` then `export-peft`: the adapter's factors, merged as PEFT merges them
+    (`W + alpha / r * B A`), give exactly the checkpoint `apply` writes, every other tensor is the base's; a delta
+    with whole tensors, and another base, are refused in one line with nothing written."""
+    base = checkpoints["hysparse2"]  # its cross full layers' K/V: LoRA on projections vLLM keeps under other names
+    common = ["--teacher", str(checkpoints["teacher"]), "--student", str(base), "--seq-len", "64",
+              "--stage2-seq-len", "64", "--windows", "4", "--train-chars", "40000", "--heldout-windows", "1",
+              "--heldout-seq-len", "64", "--rank", "4", "--alpha", "8", "--stage1-minutes", "0.03"]
+    delta, adapter, rebuilt = tmp_path / "delta", tmp_path / "adapter", tmp_path / "rebuilt"
+    assert cli.main(["train", *common, "--delta", str(delta), "--stage2-minutes", "0", "--lora-only"]) == 0
+    assert cli.main(["export-peft", "--base", str(base), "--delta", str(delta), "--out", str(adapter)]) == 0
+    assert cli.main(["apply", "--base", str(base), "--delta", str(delta), "--out", str(rebuilt)]) == 0
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    factors = load_file(str(adapter / "adapter_model.safetensors"))
+    assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 4, 8.0)
+    student = _load(base)
+    linears = [p for p, _ in student.named_modules() if p.startswith("model.layers.") and p.endswith("_proj")
+               and any(p.startswith(f"{c}.") for c in converted_attention(student))]
+    assert sorted(factors) == sorted(f"base_model.model.{p}.lora_{x}.weight" for p in linears for x in "AB")
+    assert set(config["target_modules"]) == {p.rsplit(".", 1)[1] for p in linears}
+    want, got = load_file(str(base / "model.safetensors")), load_file(str(rebuilt / "model.safetensors"))
+    scale = config["lora_alpha"] / config["r"]
+    for p in linears:
+        a, b = (factors[f"base_model.model.{p}.lora_{x}.weight"].float() for x in "AB")
+        want[f"{p}.weight"] = want[f"{p}.weight"] + scale * (b @ a)
+    unequal = [k for k in want if not torch.equal(want[k], got[k])]
+    assert want.keys() == got.keys() and not unequal, f"{len(unequal)} of {len(want)} tensors differ: {unequal[:3]}"
+    assert any(not torch.equal(b, torch.zeros_like(b)) for k, b in factors.items() if "lora_B" in k)
+    # A delta with whole tensors (sinks, bridge norms), and the adapter of another base: one line, nothing written.
+    full = tmp_path / "full"
+    assert cli.main(["train", *common, "--delta", str(full), "--stage2-minutes", "0"]) == 0
+    capsys.readouterr()
+    for argv, words in [(["--base", str(base), "--delta", str(full)], "trained whole"),
+                        (["--base", str(checkpoints["hysparse"]), "--delta", str(delta)], "hysparse")]:
+        rc = cli.main(["export-peft", *argv, "--out", str(tmp_path / "refused")])
+        err = capsys.readouterr().err
+        assert rc == 2 and err.startswith("error: ") and words in err and err.count("\n") == 1, err
+        assert not (tmp_path / "refused").exists()
+
+
 def test_cli_train_refuses_a_dense_student(checkpoints, tmp_path, capsys):
     rc = cli.main(["train", "--teacher", str(checkpoints["teacher"]), "--student", str(checkpoints["teacher"]),
                    "--delta", str(tmp_path / "delta"), "--stage1-minutes", "0", "--stage2-minutes", "0"])

@@ -4,6 +4,7 @@
     python -m vllm_hysparse.recovery train --teacher dense/ --student converted/ --delta delta/ \\
         [--out recovered/] [--stage1-minutes 15] [--stage2-minutes 30]
     python -m vllm_hysparse.recovery apply --base converted/ --delta delta/ --out recovered/
+    python -m vllm_hysparse.recovery export-peft --base converted/ --delta delta/ --out adapter/
     python -m vllm_hysparse.recovery init --teacher dense/ --student converted/ --out initialised/ \\
         [--calibrate TEXT] [--tokens 4096]
     python -m vllm_hysparse.recovery distill --teacher dense/ --student converted/ --text train.txt \\
@@ -48,8 +49,8 @@ from vllm_hysparse.recovery import corpus, distill
 from vllm_hysparse.recovery.distill import HeldOut
 from vllm_hysparse.recovery.distill import save as save_checkpoint
 from vllm_hysparse.recovery.init import INIT_PREFIX, STEP_ORDER, initialise, initialise_checkpoint
-from vllm_hysparse.recovery.lora import (apply_delta, attach_lora, base_digest, converted_linears, delta_state,
-                                         resume_from_delta)
+from vllm_hysparse.recovery.lora import (apply_delta, attach_lora, base_digest, check_delta, converted_linears,
+                                         delta_state, peft_adapter, resume_from_delta)
 from vllm_hysparse.recovery.train import Clock, end_to_end, local_transfer
 from vllm_hysparse.reference.evaluation import cut_windows
 from vllm_hysparse.tools.staging import staged_output
@@ -94,6 +95,23 @@ def rebuild(base: str, delta: Path, out: Path, force: bool) -> None:
     save_checkpoint(model, base, out, force)
 
 
+def export_peft(base: str, delta: Path, out: Path, force: bool) -> None:
+    """The delta as a PEFT adapter for `base` (checked to be the delta's base), written through a temporary
+    directory."""
+    if out.exists() and any(out.iterdir()) and not force:
+        raise FileExistsError(f"{out} exists and is not empty; pass --force to replace it")
+    tensors, meta = read_delta(delta)
+    factors, config = peft_adapter(tensors, meta)
+    model = load_student(base, "cpu")
+    check_delta(model, tensors, meta)
+    if base_digest(model, converted_linears(model)) != meta.get("base_digest"):
+        raise ValueError(f"the delta was trained on a different base than {base} (base weights digest differs)")
+    config["base_model_name_or_path"] = str(Path(base).resolve())
+    with staged_output(out) as tmp:
+        save_file(factors, str(tmp / "adapter_model.safetensors"))
+        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
+
+
 def plot_curve(curve: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -115,6 +133,8 @@ def plot_curve(curve: list[dict], path: Path) -> None:
 def train(args) -> dict:
     if args.resume and args.init:
         raise ValueError("--resume and --init: a delta carries its stage 0 already")
+    if args.lora_only and args.init:
+        raise ValueError("--lora-only and --init: a stage-0 record has no place in a LoRA-only delta")
     device = args.device
     torch.manual_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(args.student)
@@ -147,7 +167,7 @@ def train(args) -> dict:
         curve.append({"stage": "stage 0: closed-form initialisation", "step": 0, "train_minutes": wall,
                       "wall_minutes": wall, "cpu_minutes": cpu, **heldout.evaluate(student)})
     if not args.resume:
-        params = attach_lora(student, args.rank, args.alpha, full_rank=args.full_rank)
+        params = attach_lora(student, args.rank, args.alpha, full_rank=args.full_rank, lora_only=args.lora_only)
     # Projections trained whole move at `--full-rank-lr-scale` times the rate of LoRA factors and small vectors.
     whole = {id(p) for p in params if p.ndim == 2} - {id(p) for n, p in student.named_parameters()
                                                      if n.endswith((".lora_A", ".lora_B"))}
@@ -230,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="learning rate of the projections trained whole, relative to --lr1 / --lr2")
     t.add_argument("--resume", metavar="DELTA", help="go on training from this delta (trained on the same "
                    "--student; its rank, alpha and stage-0 record are kept)")
+    t.add_argument("--lora-only", action="store_true", help="train LoRA factors alone (sinks and bridge norms "
+                   "frozen), so that `export-peft` can write the delta as a PEFT adapter")
     t.add_argument("--init", action="store_true",
                    help="stage 0 first (closed-form fits on the training text); the delta carries its record")
     t.add_argument("--init-steps", default=",".join(STEP_ORDER), help="stage 0: comma-separated steps")
@@ -239,6 +261,11 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--heldout-seq-len", type=int, default=1024)
     t.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     t.add_argument("--seed", type=int, default=0)
+    e = sub.add_parser("export-peft", help="write a LoRA-only delta as a PEFT adapter (serve base + adapter)")
+    e.add_argument("--base", required=True, help="the converted checkpoint the delta was trained on")
+    e.add_argument("--delta", required=True)
+    e.add_argument("--out", required=True, help="the adapter directory to write")
+    e.add_argument("--force", action="store_true", help="replace an existing --out")
     a = sub.add_parser("apply", help="rebuild the recovered checkpoint from its base and a delta")
     a.add_argument("--base", required=True, help="the converted checkpoint the delta was trained on")
     a.add_argument("--delta", required=True)
@@ -269,6 +296,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "apply":
             rebuild(args.base, Path(args.delta), Path(args.out), args.force)
             print(f"wrote {args.out} ({args.base} + {args.delta})")
+            return 0
+        if args.command == "export-peft":
+            export_peft(args.base, Path(args.delta), Path(args.out), args.force)
+            print(f"wrote {args.out} (PEFT adapter of {args.delta} for {args.base})")
             return 0
         if args.command == "init":
             report = init(args)

@@ -274,7 +274,6 @@ def fit_kv_maps(teacher, student, calib: Calibration, ridge: float, record: Reco
     with_k = not cfg.qk_norm and rope is not None
     report = []
     for layer, src in cfg.oracle_layer.items():
-        attn = student.model.layers[layer].self_attn
         ks_fit, ks_held = calib.rows(lambda hid, w: _source_kv(student, hid, src)[0])
         vs_fit, vs_held = calib.rows(lambda hid, w: _source_kv(student, hid, src)[1])
         kd_fit, kd_held = calib.rows(lambda hid, w: teacher_kv(teacher, layer, hid[layer])[0])

@@ -79,13 +79,17 @@ def converted_attention(model) -> dict[str, nn.Module]:
             if isinstance(layer.self_attn, CONVERTED_ATTENTION)}
 
 
-def attach_lora(model, rank: int, alpha: float, full_rank: bool = False) -> list[nn.Parameter]:
+def attach_lora(model, rank: int, alpha: float, full_rank: bool = False, lora_only: bool = False
+                ) -> list[nn.Parameter]:
     """Freeze `model`, wrap every linear of its converted attention layers; returns the trainable parameters.
 
     `full_rank`: the projections of `FULL_RANK_LINEARS` are trained in full (weight and bias) instead.
+    `lora_only`: the sinks and bridge norms stay frozen too, so the delta is LoRA factors alone (`peft_adapter`).
     """
     if rank < 1:
         raise ValueError(f"--rank must be >= 1 (got {rank})")
+    if lora_only and full_rank:
+        raise ValueError("--lora-only and --full-rank: a LoRA-only delta trains no projection whole")
     model.requires_grad_(False)
     trainable = []
     for attn in converted_attention(model).values():
@@ -101,7 +105,7 @@ def attach_lora(model, rank: int, alpha: float, full_rank: bool = False) -> list
                 setattr(attn, name, lora)
                 trainable += [lora.lora_A, lora.lora_B]
         for name, param in attn.named_parameters():
-            if name.endswith(FULL_PARAMS):
+            if name.endswith(FULL_PARAMS) and not lora_only:
                 param.requires_grad_(True)
                 trainable.append(param)
     return trainable
@@ -147,8 +151,9 @@ def delta_state(model, digest: str, init_record: Record | None = None) -> tuple[
         tensors[f"{path}.lora_A"], tensors[f"{path}.lora_B"] = lora.lora_A.detach(), lora.lora_B.detach()
     for path, attn in converted_attention(model).items():
         for name, param in attn.named_parameters():
-            # sinks and bridge norms, and the projections trained at full rank (stored whole, not as a change)
-            if name.endswith(FULL_PARAMS) or (param.requires_grad and not name.endswith((".lora_A", ".lora_B"))):
+            # sinks and bridge norms (unless frozen), and the projections trained at full rank (stored whole, not as
+            # a change)
+            if param.requires_grad and not name.endswith((".lora_A", ".lora_B")):
                 tensors[f"{path}.{name}"] = param.detach()
     tensors.update(init_record or {})
     first = next(iter(loras.values()))
@@ -240,3 +245,28 @@ def apply_delta(model, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -
             w += (alpha / rank * (b @ a)).to(w.dtype)
         for name, value in full.items():
             params[name].copy_(value.to(params[name].dtype))
+
+
+PEFT_PREFIX = "base_model.model."  # PEFT's key prefix for a causal LM's modules
+
+
+def peft_adapter(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> tuple[dict[str, torch.Tensor], dict]:
+    """A LoRA-only delta as a PEFT adapter: (`adapter_model.safetensors` tensors, `adapter_config.json`).
+
+    Keys become `base_model.model.<module>.lora_{A,B}.weight` and the config names the rank, alpha and the target
+    modules by their last name, as PEFT writes them. A delta that also carries a stage-0 record or tensors trained
+    whole has no PEFT form (vLLM's adapters add `B A` to projections, nothing else): one-line ValueError.
+    """
+    if meta.get("format") != DELTA_FORMAT:
+        raise ValueError(f"not a recovery delta of format {DELTA_FORMAT!r} (got {meta.get('format')!r})")
+    record, paths, full = _parts(tensors)
+    if record or full:
+        what = [f"a stage-0 record ({len(record)} tensors)"] * bool(record) + \
+            [f"{len(full)} tensors trained whole (e.g. {next(iter(full))})"] * bool(full)
+        raise ValueError(f"the delta carries {' and '.join(what)}, which a PEFT adapter cannot hold: serve the "
+                         f"checkpoint `recovery apply` writes, or train with --lora-only")
+    factors = {f"{PEFT_PREFIX}{p}.lora_{x}.weight": tensors[f"{p}.lora_{x}"].contiguous() for p in paths for x in "AB"}
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(meta["rank"]),
+              "lora_alpha": float(meta["alpha"]), "target_modules": sorted({p.rsplit(".", 1)[1] for p in paths}),
+              "bias": "none", "lora_dropout": 0.0}
+    return factors, config
