@@ -119,7 +119,7 @@ def test_adapter_at_tensor_parallel_2_matches_its_merged_reference(arch, base, a
     assert matched == len(prompts) * MAX_TOKENS, (arch, matched)
 
 
-def test_exported_recovery_delta_serves_as_the_recovered_checkpoint(arch, servable_checkpoints, tmp_path):
+def test_exported_recovery_delta_serves_as_the_recovered_checkpoint(arch, servable_checkpoints, tmp_path):  # noqa: F811
     """A LoRA-only recovery delta (`recovery train --lora-only`), exported with `recovery export-peft` and served
     as an adapter on its converted base, answers as the checkpoint `recovery apply` writes (the reference)."""
     from vllm.lora.request import LoRARequest
