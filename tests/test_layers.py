@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The package's layers, checked on its import statements (every one, at any depth, lazy ones included).
+"""The package's layers and its import cycles, checked on its import statements (every one, at any depth, lazy
+ones included).
 
 Serving code (models, attention, PIC, the vLLM glue) may use the reference math and the configs; the reference,
 validation, recovery and the offline tools never reach up into serving code, and the reference and validation
@@ -43,6 +44,49 @@ def _imports(path: Path) -> set[str]:
     return {m for m in out if m.split(".")[0] == "vllm_hysparse"}
 
 
+def module_graph(package: Path) -> dict[str, set[str]]:
+    """module -> the package's modules it imports (any depth, lazy imports included). `from pkg import sub` is an
+    import of `pkg.sub` alone, as Python resolves it once `pkg` is importing."""
+    modules = {_module(p): p for p in package.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                subs = {f"{node.module}.{a.name}" for a in node.names} & modules.keys()
+                deps |= subs | ({node.module} & modules.keys() if len(subs) < len(node.names) else set())
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names} & modules.keys()
+        graph[name] = deps - {name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, out = {}, {}, [], []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while not comp or comp[-1] != v:
+                comp.append(stack.pop())
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
 def _layer(module: str) -> str | None:
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else None
@@ -63,6 +107,18 @@ def test_no_layer_imports_upward():
     assert len(files) > 50
     bad = upward_imports()
     assert not bad, f"{len(bad)} upward import(s) in {len(files)} files:\n" + "\n".join(bad)
+
+
+def test_no_import_cycles():
+    graph = module_graph(PACKAGE)
+    assert len(graph) > 50
+    found = cycles(graph)
+    assert not found, f"{len(found)} import cycle(s): " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_cycle_check_sees_a_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert cycles(graph) == [["a", "b", "c"]]
 
 
 def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):

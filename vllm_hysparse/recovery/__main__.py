@@ -46,34 +46,16 @@ from transformers.utils import logging as hf_logging
 
 import vllm_hysparse  # noqa: F401  (registers our configs and models)
 from vllm_hysparse.recovery import corpus, distill
-from vllm_hysparse.recovery.distill import HeldOut
+from vllm_hysparse.recovery.corpus import windows_of
+from vllm_hysparse.recovery.distill import HeldOut, load_student
 from vllm_hysparse.recovery.distill import save as save_checkpoint
 from vllm_hysparse.recovery.init import INIT_PREFIX, STEP_ORDER, initialise, initialise_checkpoint
 from vllm_hysparse.recovery.lora import (apply_delta, attach_lora, base_digest, check_delta, converted_linears,
                                          delta_state, peft_adapter, resume_from_delta)
 from vllm_hysparse.recovery.train import Clock, end_to_end, local_transfer
-from vllm_hysparse.reference.evaluation import cut_windows
 from vllm_hysparse.tools.staging import staged_output
 
 DELTA_FILE, REPORT_FILE, INIT_REPORT, BASE_CONFIG = "delta.safetensors", "recovery.json", "init.json", "base_config.json"
-
-
-def windows_of(tokenizer, text: str, seq_len: int, count: int) -> list[torch.Tensor]:
-    """Up to `count` non-overlapping `[1, seq_len]` windows, spread evenly over the text."""
-    ids = tokenizer(text, add_special_tokens=False).input_ids
-    windows = cut_windows(ids, seq_len)
-    n = len(windows)
-    if n == 0:
-        raise ValueError(f"the text has {len(ids)} tokens, fewer than one window of {seq_len}")
-    picks = sorted({round(i * (n - 1) / max(count - 1, 1)) for i in range(min(count, n))})
-    return [windows[i][None].clone() for i in picks]
-
-
-def load_student(path: str, device):
-    student = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
-    if student.config.model_type not in ("hysparse", "hysparse2"):
-        raise ValueError(f"{path} is a {student.config.model_type} checkpoint, not a hysparse or hysparse2 one")
-    return student
 
 
 def read_delta(path: Path) -> tuple[dict, dict]:

@@ -12,6 +12,10 @@ import random
 import sysconfig
 from pathlib import Path
 
+import torch
+
+from vllm_hysparse.reference.evaluation import cut_windows
+
 
 def heldout_text() -> str:
     """The Python reference documentation topics, as plain text (prose and code)."""
@@ -48,3 +52,14 @@ def training_text(max_chars: int, seed: int = 0) -> str:
         if total >= max_chars:
             break
     return "\n\n".join(parts)
+
+
+def windows_of(tokenizer, text: str, seq_len: int, count: int) -> list[torch.Tensor]:
+    """Up to `count` non-overlapping `[1, seq_len]` windows, spread evenly over the text."""
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    windows = cut_windows(ids, seq_len)
+    n = len(windows)
+    if n == 0:
+        raise ValueError(f"the text has {len(ids)} tokens, fewer than one window of {seq_len}")
+    picks = sorted({round(i * (n - 1) / max(count - 1, 1)) for i in range(min(count, n))})
+    return [windows[i][None].clone() for i in picks]

@@ -104,6 +104,13 @@ def save(student, tokenizer_dir: str, out: Path, force: bool) -> None:
         AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp)
 
 
+def load_student(path: str, device):
+    student = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    if student.config.model_type not in ("hysparse", "hysparse2"):
+        raise ValueError(f"{path} is a {student.config.model_type} checkpoint, not a hysparse or hysparse2 one")
+    return student
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `python -m vllm_hysparse.recovery distill`."""
     parser.add_argument("--teacher", required=True)

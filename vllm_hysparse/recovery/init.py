@@ -449,7 +449,8 @@ def initialise_checkpoint(teacher_dir, student_dir, text: str, *, tokens: int = 
     """(initialised student, report): load both checkpoints, fit on windows of `text`; writes nothing."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from vllm_hysparse.recovery.__main__ import load_student, windows_of
+    from vllm_hysparse.recovery.corpus import windows_of
+    from vllm_hysparse.recovery.distill import load_student
 
     if tokens < seq_len:
         raise ValueError(f"calibration: {tokens} tokens is less than one window of {seq_len}")

@@ -567,7 +567,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
     from vllm_hysparse.recovery import corpus
-    from vllm_hysparse.recovery.__main__ import windows_of
+    from vllm_hysparse.recovery.corpus import windows_of
 
     hf_logging.disable_progress_bar()
     settings = Settings(block_size=args.block_size, topk_blocks=args.topk_blocks, full_period=args.full_period,

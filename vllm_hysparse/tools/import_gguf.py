@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from vllm_hysparse.tools.checkpoint_io import parse_size, save_sharded
-from vllm_hysparse.tools.convert import SOURCE_ARCHITECTURES
+from vllm_hysparse.tools.convert.source import SOURCE_ARCHITECTURES
 from vllm_hysparse.tools.staging import staged_output
 
 # GGUF architecture names whose transformers model types the converter accepts.
