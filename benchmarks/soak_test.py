@@ -33,36 +33,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from vllm_hysparse.tools.harness import (
-    Monitor,
-    error_excerpt,
-    exit_on_sigterm,
-    free_port,
-    machine_info,
-    model_id,
-    percentile,
-    result_stem,
-    running_server,
-    serve_env,
-    server_log_problems,
-    wait_drained,
-)
-from vllm_hysparse.tools.load_workload import (
-    ARCHS,
-    LABELS,
-    SEEDS,
-    DocPool,
-    Job,
-    alone_answers,
-    check_outcomes,
-    ensure_tiny,
-    make_client,
-    make_jobs,
-    make_specs,
-    run_burst,
-    serve_cmd,
-    stream_one,
-)
+from vllm_hysparse.tools.harness import (Monitor, error_excerpt, exit_on_sigterm, free_port, machine_info, model_id,
+                                         percentile, result_stem, running_server, serve_env, server_log_problems,
+                                         wait_drained)
+from vllm_hysparse.tools.load_workload import (ARCHS, LABELS, SEEDS, DocPool, Job, alone_answers, check_outcomes,
+                                               ensure_tiny, make_client, make_jobs, make_specs, run_burst, serve_cmd,
+                                               stream_one)
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results" / "load"
 
