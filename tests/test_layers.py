@@ -15,8 +15,11 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "vllm_hysparse"
 SERVING = {"models", "attention", "pic", "vllm_glue", "compat"}
+OFFLINE = {"tools", "recovery", "validate"}
 # layer -> the layers of the package it must not import
 FORBIDDEN = {
+    # what a server runs never imports the offline tools (the benchmark harness binds sockets, for one)
+    **{layer: OFFLINE for layer in SERVING},
     "configs": SERVING | {"reference", "recovery", "tools", "validate", "metrics"},
     "reference": SERVING | {"recovery", "tools", "validate"},
     "validate": SERVING | {"recovery", "tools"},
