@@ -214,6 +214,21 @@ def test_lora_only_delta_exports_as_a_peft_adapter(checkpoints, tmp_path, capsys
         assert not (tmp_path / "refused").exists()
 
 
+def test_a_stage_checkpoints_after_every_evaluation_but_the_last(checkpoints):
+    """A long run rewrites its delta at each held-out evaluation, so a killed run keeps what it learnt; the last
+    evaluation's delta is the caller's final write."""
+    from vllm_hysparse.recovery.train import run_stage
+
+    teacher, student = _load(checkpoints["teacher"]), _load(checkpoints["hysparse"])
+    params = attach_lora(student, 4, 8.0)
+    windows = _windows(2, teacher.config.vocab_size, 3, t=32)
+    calls, curve = [], []
+    run_stage("stage x", lambda w: student(w).logits.float().square().mean(), windows, params, minutes=10, lr=1e-4,
+              clock=Clock(), heldout=HeldOut.build(teacher, windows[:1]), student=student, curve=curve, evals=4,
+              max_steps=8, checkpoint=calls.append)
+    assert len(curve) == 4 and calls == ["stage x"] * 3, (len(curve), calls)
+
+
 def test_cli_train_refuses_a_dense_student(checkpoints, tmp_path, capsys):
     rc = cli.main(["train", "--teacher", str(checkpoints["teacher"]), "--student", str(checkpoints["teacher"]),
                    "--delta", str(tmp_path / "delta"), "--stage1-minutes", "0", "--stage2-minutes", "0"])

@@ -156,6 +156,30 @@ def train(args) -> dict:
     params = [{"params": [p for p in params if id(p) not in whole]},
               {"params": [p for p in params if id(p) in whole], "lr_scale": args.full_rank_lr_scale}]
     common = dict(clock=clock, heldout=heldout, curve=curve, seed=args.seed)
+
+    def write_delta(stage: str | None = None) -> dict:
+        """The delta and its report as they stand, published as a whole (`staged_output`); `stage`: the one
+        still running, for the copies written along the way."""
+        tensors, meta = delta_state(student, digest, record)
+        report = {"teacher": args.teacher, "student": args.student, "settings": {
+            k: v for k, v in vars(args).items() if k not in ("func", "teacher", "student", "delta", "out", "force")},
+            "trainable_parameters": sum(t.numel() for k, t in tensors.items() if not k.startswith(INIT_PREFIX)),
+            "init_record_parameters": sum(t.numel() for k, t in tensors.items() if k.startswith(INIT_PREFIX)),
+            "stages": stages, "curve": curve, "torch": torch.__version__, "threads": torch.get_num_threads(),
+            **({"unfinished": f"written during {stage}"} if stage else {})}
+        with staged_output(Path(args.delta)) as tmp:
+            # Trained tensors in bf16; the stage-0 record as it was fitted (its maps and their inverses must agree).
+            save_file({k: (v if k.startswith(INIT_PREFIX) else v.to(torch.bfloat16)).contiguous().cpu()
+                       for k, v in tensors.items()}, str(tmp / DELTA_FILE), metadata=meta)
+            (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2))
+            # The base's layout, so the delta can be checked against it without the base's weights.
+            shutil.copyfile(Path(args.student) / "config.json", tmp / BASE_CONFIG)
+            plot_curve(curve, tmp / "curve.png")
+        return report
+
+    # A long run keeps what it has learnt: the delta is rewritten at every held-out evaluation (a run killed at
+    # minute 58 of 60 lost all of it once, 2026-12-05).
+    common["checkpoint"] = write_delta
     if args.stage1_minutes > 0:
         w1 = [w.to(device) for w in windows_of(tokenizer, text, args.seq_len, args.windows)]
         stages.append(local_transfer(teacher, student, w1, params, minutes=args.stage1_minutes, lr=args.lr1,
@@ -166,20 +190,7 @@ def train(args) -> dict:
         stages.append(end_to_end(teacher, student, w2, params, coverage_weight=args.coverage_weight,
                                  temperature=args.temperature, hidden_weight=args.hidden_weight,
                                  minutes=args.stage2_minutes, lr=args.lr2, **common))
-    tensors, meta = delta_state(student, digest, record)
-    report = {"teacher": args.teacher, "student": args.student, "settings": {
-        k: v for k, v in vars(args).items() if k not in ("func", "teacher", "student", "delta", "out", "force")},
-        "trainable_parameters": sum(t.numel() for k, t in tensors.items() if not k.startswith(INIT_PREFIX)),
-        "init_record_parameters": sum(t.numel() for k, t in tensors.items() if k.startswith(INIT_PREFIX)),
-        "stages": stages, "curve": curve, "torch": torch.__version__, "threads": torch.get_num_threads()}
-    with staged_output(Path(args.delta)) as tmp:
-        # Trained tensors in bf16; the stage-0 record as it was fitted (its maps and their inverses must agree).
-        save_file({k: (v if k.startswith(INIT_PREFIX) else v.to(torch.bfloat16)).contiguous().cpu()
-                   for k, v in tensors.items()}, str(tmp / DELTA_FILE), metadata=meta)
-        (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2))
-        # The base's layout, so the delta can be checked against it without the base's weights.
-        shutil.copyfile(Path(args.student) / "config.json", tmp / BASE_CONFIG)
-        plot_curve(curve, tmp / "curve.png")
+    report = write_delta()
     if args.out:
         rebuild(args.student, Path(args.delta), Path(args.out), args.force)
     return report

@@ -11,6 +11,7 @@ Both train the same parameters (`recovery.lora.attach_lora`).
 
 import math
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -50,13 +51,14 @@ def cosine_lr(step_fraction: float, lr: float) -> float:
 
 def run_stage(name: str, loss_fn, windows: list, params: list, *, minutes: float, lr: float, clock: Clock,
               heldout: HeldOut, student, curve: list, evals: int = 4, seed: int = 0,
-              max_steps: int | None = None) -> dict:
+              max_steps: int | None = None, checkpoint: Callable[[str], object] | None = None) -> dict:
     """Minimise `loss_fn(window)` over random `windows` for `minutes` of wall time (or `max_steps` steps).
 
     `params`: parameters, or param groups whose `lr_scale` multiplies `lr`.
     The learning rate follows a cosine over the budget (by elapsed time, since
     the number of steps is not known in advance). The held-out KL is measured
-    `evals` times, evenly over the budget, into `curve` (outside the budget).
+    `evals` times, evenly over the budget, into `curve` (outside the budget); after each but the last,
+    `checkpoint(name)` saves what the run has so far.
     """
     gen = torch.Generator().manual_seed(seed)
     groups = [g for g in params if g["params"]] if params and isinstance(params[0], dict) else [{"params": params}]
@@ -92,6 +94,8 @@ def run_stage(name: str, loss_fn, windows: list, params: list, *, minutes: float
             curve.append(point)
             tqdm.write(f"[{name}] step {step}, {spent / 60:.1f} min: held-out KL {point['heldout_kl']:.4f}, "
                        f"top-1 {point['heldout_top1']:.3f}")
+            if checkpoint is not None and progress() < 1:  # the last one is the caller's to write
+                checkpoint(name)
     bar.close()
     return {"stage": name, "steps": step, "minutes": spent / 60, "lr": lr, "loss_first": losses[0],
             "loss_last": sum(losses[-10:]) / len(losses[-10:])}
