@@ -201,18 +201,25 @@ def check_delta(model, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -
     check_init(model, record)
 
 
-def resume_from_delta(model, tensors: dict[str, torch.Tensor], meta: dict[str, str],
-                      full_rank: bool = False) -> tuple[list[nn.Parameter], Record]:
+def check_base(model, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
+    """`check_delta`, then that `model`'s base weights are the ones the delta was trained on (its digest)."""
+    check_delta(model, tensors, meta)
+    _, paths, _ = _parts(tensors)
+    names = paths if meta["format"] == DELTA_FORMAT_V1 else converted_linears(model)
+    if base_digest(model, names) != meta.get("base_digest"):
+        raise ValueError("the delta was trained on a different base checkpoint (base weights digest differs)")
+
+
+def resume_from_delta(model, tensors: dict[str, torch.Tensor], meta: dict[str, str], full_rank: bool = False,
+                      lora_only: bool = False) -> tuple[list[nn.Parameter], Record]:
     """Put the converted `model` where a delta's training ended, to train on: the delta's stage-0 record
     applied, LoRA attached at the delta's rank and alpha with its factors loaded, its whole parameters copied
     (in place). Returns (trainable parameters, the record), as `attach_lora` and `initialise` would; the
-    delta must fit and belong to this base (`check_delta`, digest), and `full_rank` must be how it was trained."""
-    check_delta(model, tensors, meta)
-    if meta["format"] != DELTA_FORMAT or base_digest(model, converted_linears(model)) != meta.get("base_digest"):
-        raise ValueError("the delta was trained on a different base checkpoint (base weights digest differs)")
+    delta must fit and belong to this base (`check_base`); `full_rank` and `lora_only` are the run's settings."""
+    check_base(model, tensors, meta)
     record, paths, full = _parts(tensors)
     apply_init(model, record)
-    trainable = attach_lora(model, int(meta["rank"]), float(meta["alpha"]), full_rank=full_rank)
+    trainable = attach_lora(model, int(meta["rank"]), float(meta["alpha"]), full_rank=full_rank, lora_only=lora_only)
     loras = _lora_modules(model)
     if sorted(loras) != paths:
         raise ValueError(f"the delta has LoRA factors on {len(paths)} projections, this run would train "
@@ -231,13 +238,10 @@ def apply_delta(model, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -
     """Apply a delta to the converted `model` (in place): its stage-0 record, then the LoRA updates, then
     its full parameters. The delta must fit (`check_delta`) and the base weights must be the ones it was
     trained on; otherwise nothing changes."""
-    check_delta(model, tensors, meta)
+    check_base(model, tensors, meta)
     rank, alpha = int(meta["rank"]), float(meta["alpha"])
     params = dict(model.named_parameters())
     record, paths, full = _parts(tensors)
-    names = paths if meta["format"] == DELTA_FORMAT_V1 else converted_linears(model)
-    if base_digest(model, names) != meta.get("base_digest"):
-        raise ValueError("the delta was trained on a different base checkpoint (base weights digest differs)")
     apply_init(model, record)
     with torch.no_grad():
         for p in paths:
