@@ -11,8 +11,8 @@ For each checkpoint, one server at a time (CPU, float32), lm-eval runs the tasks
   and scored against expected answers (regular expressions), not against the teacher;
 * `hysparse_facts_mc`: multiple-choice continuations scored by log-likelihood through
   `local-completions`, which asks the server for prompt logprobs (`echo` + `logprobs`).
-  HySparse2 servers run with `VLLM_HYSPARSE2_EARLY_EXIT=0`, since early exit computes no
-  prompt rows past the self-decoder and refuses prompt logprobs.
+  HySparse2 servers keep early exit on: the requests that ask for prompt logprobs get all
+  their prompt rows through the cross-decoder (docs/serving.md).
 
 Writes `<results>/lm_eval_<date>_<HHMM>.{json,md}` and prints the table: each score, and each
 student's distance from the teacher in questions.
@@ -24,7 +24,6 @@ The same tasks run on any pair of servers with lm-eval's own CLI, e.g.
 
 import argparse
 import datetime
-import json
 import sys
 from pathlib import Path
 
@@ -38,10 +37,6 @@ RESULTS_DIR = BENCH_DIR / "results" / "smollm2"
 QUESTIONS, FACTS = "hysparse_questions", "hysparse_facts_mc"
 
 
-def model_type(ckpt: Path) -> str:
-    return json.loads((ckpt / "config.json").read_text()).get("model_type", "")
-
-
 def evaluate_served(ckpt: Path, kv_gib: int, work: Path, limit: int | None) -> dict:
     """Serve `ckpt`, run both tasks against it; returns {task: {metric: value}, "answers": [...]}."""
     from lm_eval import simple_evaluate
@@ -50,13 +45,12 @@ def evaluate_served(ckpt: Path, kv_gib: int, work: Path, limit: int | None) -> d
     port = free_port()
     cmd = [str(VLLM), "serve", str(ckpt), "--dtype", "float32", "--host",
            "127.0.0.1", "--port", str(port), "--max-model-len", "2048"]
-    extra = {"VLLM_HYSPARSE2_EARLY_EXIT": "0"} if model_type(ckpt) == "hysparse2" else None
     log = work / f"serve_{ckpt.name}.log"
     print(f"[{ckpt.name}] {' '.join(cmd)}  (log: {log})", flush=True)
     tasks = TaskManager(include_path=str(TASKS_DIR))
     common = dict(task_manager=tasks, limit=limit, log_samples=True, random_seed=0, numpy_random_seed=0,
                   torch_random_seed=0, fewshot_random_seed=0)
-    with running_server(cmd, serve_env(kv_gib, extra), log, start_timeout_s=600) as (_, root):
+    with running_server(cmd, serve_env(kv_gib), log, start_timeout_s=600) as (_, root):
         chat = simple_evaluate(model="local-chat-completions", apply_chat_template=True, tasks=[QUESTIONS],
                                model_args={"model": str(ckpt), "base_url": f"{root}/v1/chat/completions",
                                            "num_concurrent": 1, "max_retries": 2}, **common)

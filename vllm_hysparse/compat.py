@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Small guards around vLLM 0.32 behaviour that our models depend on."""
 
-from vllm_hysparse.models.config_hooks import EARLY_EXIT_ENV
+from vllm_hysparse.models.config_hooks import EARLY_EXIT_ENV, PIC_WORKERS
 
 _GUARD_FLAG = "_hysparse_prompt_logprobs_guard"
 # The integers msgspec can serialise when the client sends a request to the engine core.
@@ -65,18 +65,28 @@ def install_prompt_logprobs_guard() -> None:
     """Reject requests that would stop the engine, in the OpenAI server and the offline engine alike.
 
     Two guards in vLLM's input processor, which runs before a request is registered:
-    prompt logprobs under KV-sharing fast prefill (HySparse2's early exit), and
-    fields the engine core could not receive (see `unserialisable_field`).
+    prompt logprobs under KV-sharing fast prefill (HySparse2's early exit) where our
+    runner does not serve them, and fields the engine core could not receive (see
+    `unserialisable_field`).
 
-    vLLM's async (server) path rejects `prompt_logprobs >= 1` only, and
-    `LLM.generate` none at all; what gets through kills the worker on an
-    assertion, and the engine with it. Early exit never computes
-    logits for earlier prompt rows, so a clear validation error is the only
-    correct answer there. Idempotent.
+    vLLM's own runner asserts that no request wants prompt logprobs under fast prefill, and
+    `LLM.generate` does not check first: such a request kills the worker, and the engine with it.
+    Our worker's runner serves them per request (`vllm_glue.runner.FastPrefillPromptLogprobsMixin`),
+    so for it the OpenAI server's own refusal (`AsyncLLM.add_request`) is lifted instead. Idempotent.
     """
+    from vllm_hysparse.vllm_glue.async_llm import without_fast_prefill, wrap_async_llm_config
     from vllm_hysparse.vllm_glue.input_processor import wrap_validate_params
 
     wrap_validate_params(_GUARD_FLAG, check_request_params)
+    wrap_async_llm_config(_GUARD_FLAG, lambda vllm_config: without_fast_prefill(vllm_config)
+                          if vllm_config.cache_config.kv_sharing_fast_prefill
+                          and serves_prompt_logprobs(vllm_config) else None)
+
+
+def serves_prompt_logprobs(vllm_config) -> bool:
+    """Whether the engine's runner serves prompt logprobs under fast prefill: our worker, chosen by our config hook
+    where vLLM would pick its own (not under a `--worker-cls` of the user's, nor on vLLM's V2 runner)."""
+    return vllm_config.parallel_config.worker_cls in PIC_WORKERS.values()
 
 
 def check_request_params(vllm_config, params) -> None:
@@ -87,11 +97,11 @@ def check_request_params(vllm_config, params) -> None:
     # `is not None`, not truth: 0 asks for the prompt tokens' own logprobs, and vLLM's
     # own check in AsyncLLM.add_request (v1/engine/async_llm.py) tests truth and lets it by.
     if (isinstance(params, SamplingParams) and params.prompt_logprobs is not None
-            and vllm_config.cache_config.kv_sharing_fast_prefill):
+            and vllm_config.cache_config.kv_sharing_fast_prefill and not serves_prompt_logprobs(vllm_config)):
         raise VLLMValidationError(
-            "prompt_logprobs are not available with prefill early exit (KV-sharing fast prefill): "
-            f"the cross-decoder never runs on earlier prompt rows; set {EARLY_EXIT_ENV}=0 to get them",
-            parameter="prompt_logprobs", value=params.prompt_logprobs)
+            "prompt_logprobs are not available with prefill early exit (KV-sharing fast prefill) outside "
+            f"vllm_hysparse's worker (worker_cls={vllm_config.parallel_config.worker_cls}): leave --worker-cls "
+            f"at auto, or set {EARLY_EXIT_ENV}=0", parameter="prompt_logprobs", value=params.prompt_logprobs)
     if isinstance(params, SamplingParams) and (name := unserialisable_field(params)) is not None:
         value = getattr(params, name)
         kind = (_SCALAR_FIELDS or {}).get(name)

@@ -24,8 +24,8 @@ KERNELS = EnvVar("VLLM_HYSPARSE_KERNELS", "`triton` on CUDA, `torch` elsewhere",
 CPU_EXT = EnvVar("VLLM_HYSPARSE_CPU_EXT", "1",
                  "`0` keeps the CPU path on PyTorch instead of the small C++ kernels", "csrc_triton.cpu_ext")
 EARLY_EXIT = EnvVar("VLLM_HYSPARSE2_EARLY_EXIT", "1",
-                    "HySparse2 prefill early exit; `0` runs the cross-decoder on every prompt token (prompt "
-                    "logprobs need it)", "vllm_hysparse.models.config_hooks")
+                    "HySparse2 prefill early exit; `0` runs the cross-decoder on every prompt token",
+                    "vllm_hysparse.models.config_hooks")
 METRICS = EnvVar("VLLM_HYSPARSE_METRICS", "1", "`0` switches the pages-per-query counters off",
                  "vllm_hysparse.metrics")
 # Not VLLM_-prefixed: vLLM warns about every VLLM_* variable it does not know, and this one is set by the plugin.

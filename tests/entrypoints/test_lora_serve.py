@@ -4,8 +4,8 @@
 The adapter is written here (PEFT format, random factors on every projection, the bridged K/V included) and its
 answers are compared with the reference model with the adapter merged; the base model's answers with the
 reference without it. Bad adapters, loaded at run time (`/v1/load_lora_adapter`), are refused with one line
-that names the problem (vLLM answers these with status 500), and the server keeps serving. (vLLM 0.32 accepts an
-adapter whose factors were made for another hidden size, for any model: docs/serving.md says so; not tested here.)
+that names the problem (vLLM answers these with status 500), and the server keeps serving: a rank over the limit,
+a module the model lacks, and factors made for another base (which vLLM 0.32 itself would load into its slots).
 """
 
 import json
@@ -42,6 +42,10 @@ def setup(tmp_path_factory):
         "rank": write_adapter(base, root / "big", 16, 8.0, ["q_proj"], SEED + 1),
         # a module the model does not have
         "module": _renamed(write_adapter(base, root / "odd", 4, 8.0, ["q_proj"], SEED + 2), "q_proj", "qq_proj"),
+        # made for another base: a narrower MLP (vLLM itself would load these factors into its wider slots)
+        "base": write_adapter(write_checkpoint(root / "other", "hysparse2", "tiny", seed=SEED % 997,
+                                               overrides={"intermediate_size": 192}),
+                              root / "other-adapter", 4, 8.0, ["q_proj", "down_proj"], SEED + 3),
     }
     log = root / "serve.log"
     with serve(base, log, "--enforce-eager", "--max-model-len", "512", "--enable-lora", "--max-lora-rank",
@@ -80,10 +84,11 @@ def test_served_adapter_and_base_match_their_references(setup):
     assert "prefill early exit off, because LoRA is enabled" in server.log.read_text()
 
 
-@pytest.mark.parametrize("what", ["rank", "module"])
+@pytest.mark.parametrize("what", ["rank", "module", "base"])
 def test_bad_adapter_is_refused_in_one_line_and_server_keeps_serving(setup, what):
     server, _, _, merged, bad = setup
-    expected = {"rank": "lora rank 16 is greater than max_lora_rank 8", "module": "qq_proj"}[what]
+    expected = {"rank": "lora rank 16 is greater than max_lora_rank 8", "module": "qq_proj",
+                "base": "does not fit this model: model.layers.0.mlp.down_proj has lora_a [4, 192]"}[what]
     with httpx.Client(timeout=120) as http:
         r = http.post(f"{server.root}/v1/load_lora_adapter",
                       json={"lora_name": f"bad-{what}", "lora_path": str(bad[what])})

@@ -289,23 +289,50 @@ def test_bad_config_fails_at_serve_with_one_line_reason(ckpt, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def hysparse2_server(tmp_path_factory):
+def hysparse2_ckpt(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("serve2") / "tiny", "hysparse2", "tiny", seed=22)
+
+
+@pytest.fixture(scope="module")
+def hysparse2_server(hysparse2_ckpt, tmp_path_factory):
     # Eager: the HySparse server above is the compiled one users start, and HySparse2's compiled early exit is
     # checked offline (tests/models/test_hysparse2.py); a compile here would cost CI a minute.
-    ckpt = write_checkpoint(tmp_path_factory.mktemp("serve2") / "tiny", "hysparse2", "tiny", seed=22)
-    yield from _serve(ckpt, tmp_path_factory.mktemp("serve2-log") / "serve.log", "--enforce-eager")
+    yield from _serve(hysparse2_ckpt, tmp_path_factory.mktemp("serve2-log") / "serve.log", "--enforce-eager")
 
 
-def test_hysparse2_serves_with_early_exit(hysparse2_server):
+def test_hysparse2_serves_with_early_exit(hysparse2_server, hysparse2_ckpt):
     base_url, log = hysparse2_server
     client = openai.OpenAI(base_url=base_url, api_key="unused")
     model = client.models.list().data[0].id
     reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Sort a list."}],
                                            max_tokens=8, temperature=0)
     assert reply.usage.completion_tokens == 8
-    # Early exit is on without any flag, so prompt logprobs are refused with a clear reason.
-    with pytest.raises(openai.BadRequestError, match="prompt logprobs"):
-        client.completions.create(model=model, prompt="import os", max_tokens=1, extra_body={"prompt_logprobs": 1})
+    # Early exit is on without any flag, and prompt logprobs are served per request: a mixed batch of requests
+    # with and without them, sent together, against the reference's prompt rows.
+    reference = AutoModelForCausalLM.from_pretrained(hysparse2_ckpt, dtype=torch.float32).eval()
+    prompts = random_prompts([300, 120, 260, 80], reference.config.vocab_size, seed=24)
+    asks = [1, None, 0, None]
+
+    def send(prompt, k):
+        extra = {} if k is None else {"prompt_logprobs": k}
+        return client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0, extra_body=extra)
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        replies = list(pool.map(send, prompts, asks))
+    checked = 0
+    for prompt, k, r in zip(prompts, asks, replies, strict=True):
+        served = r.choices[0].model_extra.get("prompt_logprobs")
+        if k is None:
+            assert served is None
+            continue
+        with torch.no_grad():
+            want = torch.log_softmax(reference(torch.tensor([prompt]), use_cache=False).logits[0].double(), -1)
+        assert served[0] is None and len(served) == len(prompt)
+        for pos in range(1, len(prompt)):
+            got = served[pos][str(prompt[pos])]["logprob"]
+            assert abs(got - float(want[pos - 1, prompt[pos]])) < 2e-3, (pos, k)
+            checked += 1
+    assert checked == 299 + 259
     text = log.read_text()
     assert "prefill early exit on" in text
     assert re.search(r"HySparse KV cache: \d+ bytes/token in 3 full-length caches", text)

@@ -6,6 +6,8 @@ more tokens are genuinely sparse in the cross-decoder) and its self-decoder
 slides a 32-token window. Prefill early exit is on by default.
 """
 
+import os
+import random
 import time
 
 import pytest
@@ -14,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 import vllm_hysparse  # noqa: F401
 from tests.vllm_utils import (
+    Completion,
     check_logprobs_close,
     env_without,
     kv_cache_layout,
@@ -105,17 +108,48 @@ class TestEarlyExitEngine:
         many = random_prompts(lengths, reference.config.vocab_size, seed=10)
         check_logprobs_close(reference_greedy(reference, many, 4), vllm_greedy(llm, many, 4))
 
-    def test_prompt_logprobs_rejected_with_early_exit(self, llm, prompts):
+    def test_prompt_logprobs_per_request_with_early_exit(self, llm, reference):
+        """A mixed batch under early exit: the requests that ask get every prompt row through the cross-decoder,
+        exactly (chunked: 64-token steps), and the others still exit early."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        from vllm.exceptions import VLLMValidationError
-
-        with pytest.raises(VLLMValidationError, match=f"prompt_logprobs are not available.*{EARLY_EXIT_ENV}=0"):
-            llm.generate([TokensPrompt(prompt_token_ids=prompts[3])], SamplingParams(max_tokens=1, prompt_logprobs=1),
-                         use_tqdm=False)
+        seed = int(os.environ.get("HYSPARSE_PROMPT_LOGPROBS_SEED", random.SystemRandom().randrange(2**31)))
+        print(f"seed {seed} (HYSPARSE_PROMPT_LOGPROBS_SEED replays it)")
+        cfg = reference.config
+        lengths = [150, 90, 120, 40, 200, 3]
+        asks = [1, None, 0, None, None, 2]  # prompt_logprobs per request: None asks for none
+        batch = random_prompts(lengths, cfg.vocab_size, seed=seed)
+        params = [SamplingParams(max_tokens=4, temperature=0.0, logprobs=5, ignore_eos=True, prompt_logprobs=k)
+                  for k in asks]
+        before = _queries(llm)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
+        rows = (_queries(llm) - before) / (len(cfg.cross_full_layers) * cfg.num_key_value_heads)
+        checked = 0
+        for prompt, k, out in zip(batch, asks, outs, strict=True):
+            if k is None:
+                assert out.prompt_logprobs is None
+                continue
+            with torch.no_grad():
+                want = torch.log_softmax(reference(torch.tensor([prompt]), use_cache=False).logits[0].double(), -1)
+            assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+            for pos in range(1, len(prompt)):
+                got = out.prompt_logprobs[pos]
+                assert abs(got[prompt[pos]].logprob - float(want[pos - 1, prompt[pos]])) < 2e-3, (pos, k)
+                top = torch.topk(want[pos - 1], k).indices.tolist() if k else []
+                assert set(top) <= set(got), (pos, top, sorted(got))  # the k most likely, beside the actual token
+                checked += 1
+        assert checked == sum(n - 1 for n, k in zip(lengths, asks) if k is not None)
+        expected = reference_greedy(reference, batch, 4)
+        got = [Completion(list(o.outputs[0].token_ids), [{t: lp.logprob for t, lp in step.items()}
+                                                          for step in o.outputs[0].logprobs]) for o in outs]
+        assert check_logprobs_close(expected, got, min_matched=1.0) == 4 * len(batch)
+        # Every prompt row of the three that ask, plus one row per step for each other request (about 10 prefill
+        # steps of 64 tokens, then 3 decode steps): without early exit their 330 prompt rows would add.
+        asked = sum(n for n, k in zip(lengths, asks) if k is not None)
+        assert asked <= rows <= asked + 100, (rows, asked)
         # The engine keeps serving.
-        assert len(vllm_greedy(llm, prompts[:1], 2)[0].token_ids) == 2
+        assert len(vllm_greedy(llm, batch[:1], 2)[0].token_ids) == 2
 
     def test_kv_cache_matches_spec(self, llm, reference):
         """SPEC §3.4: full-length caches for self full layers and one per bridged cross full layer only."""

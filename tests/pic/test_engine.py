@@ -15,6 +15,7 @@ import pytest
 import vllm_hysparse  # noqa: F401
 from tests.pic_utils import assemble, delta, generate, reference_pic, state
 from tests.vllm_utils import (
+    Completion,
     check_logprobs_close,
     random_prompts,
     reference_greedy,
@@ -135,6 +136,36 @@ def test_concurrent_requests_share_segments(llm, reference, docs):
     assert d["segments_cold"] <= 2, d  # `new` once (and d3/d2 at most once each if evicted: they are not)
     check_logprobs_close(reference_pic(reference, prompts, layouts), got, min_matched=1.0)
     assert state(llm)["in_use"] == 0
+
+
+def test_prompt_logprobs_beside_pic_requests(llm, reference, docs):
+    """A plain request asking for prompt logprobs in the same steps as PIC requests (HySparse2: early exit on, so the
+    PIC recompute pass must run the cross-decoder on all of its rows); every output against the references."""
+    import torch
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prefix, d1, d2, d3, short, q, q2 = docs
+    pics = [assemble([prefix, d3, d1, q], seam=4), assemble([q2, d2, short, d3, q], seam=8)]
+    plain = prefix + d2 + d1 + q2
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=5, ignore_eos=True,
+                             extra_args={"pic_segments": list(lay.segments), "pic_seam_tokens": lay.seam})
+              for _, lay in pics]
+    params.append(SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=5, ignore_eos=True,
+                                 prompt_logprobs=1))
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in [*(p for p, _ in pics), plain]], params,
+                        use_tqdm=False)
+    got = [Completion(list(o.outputs[0].token_ids), [{t: lp.logprob for t, lp in step.items()}
+                                                     for step in o.outputs[0].logprobs]) for o in outs]
+    expected = [*reference_pic(reference, [p for p, _ in pics], [lay for _, lay in pics]),
+                *reference_greedy(reference, [plain], MAX_TOKENS)]
+    assert check_logprobs_close(expected, got, min_matched=1.0) == 3 * MAX_TOKENS
+    with torch.no_grad():
+        want = torch.log_softmax(reference(torch.tensor([plain]), use_cache=False).logits[0].double(), -1)
+    served = outs[2].prompt_logprobs
+    assert len(served) == len(plain)
+    errors = [abs(served[i][plain[i]].logprob - float(want[i - 1, plain[i]])) for i in range(1, len(plain))]
+    assert max(errors) < 2e-3, max(errors)
 
 
 def test_store_reports_entries_and_bytes(llm, ckpt):

@@ -63,9 +63,7 @@ def server_proc(server_ckpt, tmp_path_factory):
     """`vllm serve` on HySparse2 with no PIC flag, an API key and per-request cached-token counts."""
     port = free_port()
     log = tmp_path_factory.mktemp("pic-serve-log") / "serve.log"
-    # HySparse2's early exit refuses prompt logprobs on its own; turn it off so that the
-    # PIC refusal is the one under test.
-    env = server_env({"VLLM_HYSPARSE2_EARLY_EXIT": "0"})
+    env = server_env()
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [VLLM, "serve", str(server_ckpt), "--dtype", "float32", "--port", str(port), "--max-model-len", "1024",

@@ -57,3 +57,37 @@ class HybridForCausalLM(nn.Module, SupportsPP):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Strict loading: an unknown, missing or mis-shaped tensor is a one-line error naming it."""
         return load_checked(self, self.config, self.stacks, weights)
+
+    def lora_renames(self) -> dict[str, str]:
+        """Checkpoint module prefix -> the name vLLM's LoRA loader gives it (none here)."""
+        return {}
+
+    def lora_mismatch(self, factors: dict[str, tuple[tuple, tuple]]) -> str | None:
+        """The first adapter module whose LoRA factors do not fit this checkpoint, as one line; None when all fit.
+
+        `factors`: module name as vLLM's LoRA loader names it -> (lora_a shape `[r, in]`, lora_b shape `[out, r]`).
+        vLLM copies factors into slots sized for the model, so factors made for a smaller base load without a word
+        and serve garbage. The projections' shapes are those of this config's reference model, built on the meta
+        device (nothing allocated), under `lora_renames`.
+        """
+        shapes = self._linear_shapes()
+        for name, (a, b) in sorted(factors.items()):
+            if name not in shapes:
+                continue  # vLLM's own module check names unknown modules
+            fan_in, fan_out = shapes[name]
+            if len(a) != 2 or len(b) != 2 or a[1] != fan_in or b[0] != fan_out or a[0] != b[1]:
+                return (f"the adapter does not fit this model: {name} has lora_A {list(a)} and lora_B {list(b)}, "
+                        f"but the module maps {fan_in} -> {fan_out} features (an adapter for another base model?)")
+        return None
+
+    def _linear_shapes(self) -> dict[str, tuple[int, int]]:
+        shapes = getattr(self, "_lora_shapes", None)
+        if shapes is None:
+            from transformers import AutoModelForCausalLM
+
+            with torch.device("meta"):
+                reference = AutoModelForCausalLM.from_config(self.config)
+            renames = self.lora_renames()
+            shapes = self._lora_shapes = {renames.get(name, name): (m.in_features, m.out_features)
+                                          for name, m in reference.named_modules() if isinstance(m, nn.Linear)}
+        return shapes

@@ -94,8 +94,8 @@ class HySparse2ConfigUpdater:
                             "token row of a step)")
         elif early_exit_enabled() and not cache_config.kv_sharing_fast_prefill:
             cache_config.kv_sharing_fast_prefill = True
-            logger.info("HySparse2: prefill early exit on (cross-decoder runs on logits rows only; "
-                        "prompt logprobs need %s=0)", EARLY_EXIT_ENV)
+            logger.info("HySparse2: prefill early exit on (the cross-decoder runs on the logits rows, and on every "
+                        "prompt row of a request that asks for prompt logprobs; %s=0 turns it off)", EARLY_EXIT_ENV)
 
     @staticmethod
     def verify_and_update_model_config(model_config) -> None:

@@ -446,8 +446,13 @@ def bridge_names(config: HySparse2Config):
     """
     from vllm.model_executor.models.utils import WeightsMapper
 
-    return WeightsMapper(orig_to_new_prefix={f"model.layers.{c}.self_attn.{proj}": f"model.bridges.{c}.{proj}"
-                                             for c in config.cross_full_layers for proj in ("k_proj", "v_proj")})
+    return WeightsMapper(orig_to_new_prefix=bridge_prefixes(config))
+
+
+def bridge_prefixes(config: HySparse2Config) -> dict[str, str]:
+    """Checkpoint name -> vLLM name of each bridged projection (see `bridge_names`)."""
+    return {f"model.layers.{c}.self_attn.{proj}": f"model.bridges.{c}.{proj}"
+            for c in config.cross_full_layers for proj in ("k_proj", "v_proj")}
 
 
 class HySparse2ForCausalLM(HybridForCausalLM, SupportsLoRA):
@@ -467,3 +472,6 @@ class HySparse2ForCausalLM(HybridForCausalLM, SupportsLoRA):
         self.hf_to_vllm_mapper = bridge_names(self.config)
         if vllm_config.quant_config is not None:
             vllm_config.quant_config.apply_vllm_mapper(self.hf_to_vllm_mapper)
+
+    def lora_renames(self) -> dict[str, str]:
+        return bridge_prefixes(self.config)

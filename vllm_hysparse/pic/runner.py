@@ -38,6 +38,8 @@ from vllm_hysparse.vllm_glue import forward_context
 from vllm_hysparse.vllm_glue.runner import (
     attention_layers,
     build_attention_metadata,
+    last_rows,
+    logits_row_counts,
     step_block_tables,
     swapped_kv_caches,
     wrap_kv_cache_update,
@@ -70,11 +72,6 @@ class StepPlan:
     cold: dict[str, tuple[tuple[int, ...], str, list[str]]]  # key -> (token ids, pool, request ids)
     entries: dict = field(default_factory=dict)  # key -> store Entry (hits; cold ones added after the isolated pass)
     stats: dict = field(default_factory=dict)
-
-
-def _ranks(counts: np.ndarray) -> np.ndarray:
-    """0..c-1 for each count c, concatenated: `[2, 3]` -> `[0, 1, 0, 1, 2]`."""
-    return np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
 class KVTap:
@@ -277,19 +274,20 @@ class PICEngine:
         v_qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
         seq_lens = np.array([pos_np[e - 1] + 1 for e in v_end], dtype=np.int32)
         # Logits rows, in the subset's numbering: each request's last scheduled row and, before it, one row per
-        # speculative draft token, which vLLM also samples (gpu_model_runner.py `_calc_spec_decode_metadata`).
-        # HySparse2's early exit runs its cross-decoder on these rows only.
+        # speculative draft token, which vLLM also samples (gpu_model_runner.py `_calc_spec_decode_metadata`), or
+        # every row of a request that asks for prompt logprobs. HySparse2's early exit runs its cross-decoder on
+        # these rows only.
         new_index = np.full(len(keep), -1)
         new_index[np.flatnonzero(keep)] = np.arange(n)
         drafts = np.array([len(self.drafts.get(rid, ())) for rid in runner.input_batch.req_ids[:num_reqs]])
-        first = qsl[1:] - 1 - drafts
-        logits = new_index[np.repeat(first, drafts + 1) + _ranks(drafts + 1)]
+        counts = logits_row_counts(runner, drafts)
+        logits = new_index[last_rows(qsl[1:].astype(np.int64), counts)]
         logits = logits[logits >= 0]
         if len(logits) == 0:  # every request's last row is spliced; the cross-decoder still needs one row
             logits = np.array([n - 1])
         tables = step_block_tables(runner, v_req, rows, forward_context.slot_mapping())
         metadata, slots = build_attention_metadata(runner, v_qsl, seq_lens, positions[rows], tables, logits,
-                                                   max_logits=int(drafts.max(initial=0)) + 1)
+                                                   max_logits=int(counts.max(initial=1)))
         ids = input_ids[rows] if input_ids is not None else None
         embeds = inputs_embeds[rows] if inputs_embeds is not None else None
         out = self._call_model(runner, metadata, slots, ids, positions[rows], embeds, model_kwargs)

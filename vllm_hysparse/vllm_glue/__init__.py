@@ -11,7 +11,7 @@ file each depends on. The rest of the plugin calls these functions and never
 patches vLLM, swaps its classes, writes its tables or reads its private state
 itself (tests/test_vllm_glue.py checks that).
 
-`vllm_0_33.md` beside this file records which touch points still hold in vLLM 0.33.0 (all 25; one changes
+`vllm_0_33.md` beside this file records which touch points still hold in vLLM 0.33.0 (all 29; one changes
 behaviour) and what else 0.33 breaks.
 
 Importing this package imports nothing from vLLM (the plugin's import stays
@@ -47,6 +47,11 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
     TouchPoint("input_processor.wrap_process_inputs", "v1/engine/input_processor.py",
                "vllm.v1.engine.input_processor:InputProcessor.process_inputs",
                "replaces the class method with one that checks and salts the EngineCoreRequest (PIC frontend)"),
+    # The OpenAI server's engine client.
+    TouchPoint("async_llm.wrap_async_llm_config", "v1/engine/async_llm.py",
+               "vllm.v1.engine.async_llm:AsyncLLM.add_request",
+               "replaces AsyncLLM.__init__ with one that gives the client a config view with kv_sharing_fast_prefill "
+               "off, so add_request lets prompt logprobs through to our runner"),
     # The OpenAI API server.
     TouchPoint("launcher.add_api_server_middleware", "entrypoints/launchers/app.py",
                "vllm.entrypoints.launchers.app:init_entrypoints_middleware",
@@ -82,6 +87,18 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
                "vllm.v1.worker.gpu_model_runner:GPUModelRunner._bookkeeping_sync",
                "overrides sample_tokens / _bookkeeping_sync: saves and restores the CPU generators of the step's "
                "discarded draws (discard_request_mask, input_batch.generators) around vLLM's CUDA-only rewind"),
+    TouchPoint("runner.FastPrefillPromptLogprobsMixin", "v1/worker/gpu_model_runner.py",
+               "vllm.v1.worker.gpu_model_runner:GPUModelRunner._build_attention_metadata",
+               "overrides _update_states / _prepare_inputs / _build_attention_metadata: holds num_prompt_logprobs "
+               "aside past execute_model's fast-prefill assertion and widens the KV-sharing layers' logits rows"),
+    TouchPoint("runner.logits_row_counts", "v1/worker/gpu_model_runner.py",
+               "vllm.v1.worker.gpu_model_runner:GPUModelRunner.num_prompt_logprobs",
+               "reads num_prompt_logprobs, input_batch.req_id_to_index and query_start_loc for the rows that need "
+               "logits"),
+    TouchPoint("runner.check_lora_adapters", "lora/worker_manager.py",
+               "vllm.lora.worker_manager:WorkerLoRAManager._load_adapter",
+               "wraps the runner's lora_manager._load_adapter (instance attribute) to check each loaded adapter's "
+               "factor shapes (LoRAModel.loras)"),
     TouchPoint("runner.ensure_intermediate_tensors", "v1/worker/gpu_model_runner.py",
                "vllm.v1.worker.gpu_model_runner:GPUModelRunner.intermediate_tensors",
                "allocates a later pipeline stage's receive buffers that vLLM's CPU worker skips"),

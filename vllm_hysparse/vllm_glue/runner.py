@@ -68,6 +68,107 @@ class CPUSeededSamplingMixin:
             generators.update(hidden)
 
 
+def logits_row_counts(runner, num_draft_tokens) -> np.ndarray:
+    """`[num_reqs]` int64: how many of each request's last scheduled rows need logits in this step.
+
+    vLLM samples each request's last scheduled row and, before it, one row per draft token
+    (`num_draft_tokens`, `[num_reqs]`; `_prepare_inputs`, vllm/v1/worker/gpu_model_runner.py). A request
+    still in `runner.num_prompt_logprobs` (req id -> count, those still prefilling) needs every scheduled
+    row: `_get_prompt_logprobs_dict` computes logits from the hidden states of all of them. Under
+    KV-sharing fast prefill these are the rows HySparse2's cross-decoder must run on. Reads
+    `input_batch.req_id_to_index` and `query_start_loc.np`; loops over the prompt-logprob requests only.
+    """
+    batch = runner.input_batch
+    counts = np.asarray(num_draft_tokens, dtype=np.int64)[:batch.num_reqs] + 1
+    qsl = runner.query_start_loc.np
+    for rid in runner.num_prompt_logprobs:
+        i = batch.req_id_to_index.get(rid)
+        if i is not None and i < batch.num_reqs:
+            counts[i] = qsl[i + 1] - qsl[i]
+    return counts
+
+
+def last_rows(ends: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The last `counts[i]` rows before each `ends[i]`, in order: `[sum(counts)]` int64."""
+    starts = np.repeat(ends - counts, counts)
+    return starts + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+
+
+class FastPrefillPromptLogprobsMixin:
+    """Prompt logprobs per request under KV-sharing fast prefill (HySparse2's early exit; mixed into the runner).
+
+    vLLM 0.32 runs the layers after the last KV-owning one on the logits rows only (`logits_indices`, one per
+    request and draft token) and asserts, in `execute_model` (vllm/v1/worker/gpu_model_runner.py), that no
+    request in the batch wants prompt logprobs: the other prompt rows never reach the last layer. Here the rows
+    those layers run on are widened for the requests that ask, to every row they have in the step, while the
+    sampler keeps vLLM's own `logits_indices`; the rest of the batch still exits early.
+
+    - `_update_states` fills `num_prompt_logprobs`; it is held aside until `_prepare_inputs`, which vLLM
+      calls right after the assertion (and put back at the next `_update_states` if the step had no tokens,
+      so finished requests are still dropped from it).
+    - `_prepare_inputs` returns vLLM's logits rows; the widened rows (`logits_row_counts`) are kept for the
+      `_build_attention_metadata` call that follows, which hands them to the KV-sharing layers' builders
+      (`logits_indices` and `max_num_sampled_tokens`, read only under fast prefill).
+    """
+
+    _held_prompt_logprobs: dict | None = None
+    _widened_logits: tuple | None = None
+
+    def _restore_prompt_logprobs(self) -> None:
+        if self._held_prompt_logprobs is not None:
+            self.num_prompt_logprobs, self._held_prompt_logprobs = self._held_prompt_logprobs, None
+
+    def _update_states(self, scheduler_output):
+        self._restore_prompt_logprobs()
+        corrections = super()._update_states(scheduler_output)
+        if self.cache_config.kv_sharing_fast_prefill and self.num_prompt_logprobs:
+            self._held_prompt_logprobs, self.num_prompt_logprobs = self.num_prompt_logprobs, {}
+        return corrections
+
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        self._restore_prompt_logprobs()
+        logits_indices, spec_decode_metadata, max_sampled = super()._prepare_inputs(scheduler_output,
+                                                                                    num_scheduled_tokens)
+        self._widened_logits = None
+        if self.cache_config.kv_sharing_fast_prefill and self.num_prompt_logprobs:
+            num_reqs = self.input_batch.num_reqs
+            drafts = (np.zeros(num_reqs, dtype=np.int64) if spec_decode_metadata is None
+                      else spec_decode_metadata.num_draft_tokens)
+            counts = logits_row_counts(self, drafts)
+            rows = last_rows(self.query_start_loc.np[1:num_reqs + 1].astype(np.int64), counts)
+            self._widened_logits = (torch.from_numpy(rows).to(logits_indices.device), int(counts.max()))
+        return logits_indices, spec_decode_metadata, max_sampled
+
+    def _build_attention_metadata(self, *args, **kwargs):
+        widened, self._widened_logits = self._widened_logits, None
+        if widened is not None and kwargs.get("logits_indices") is not None:
+            kwargs["logits_indices"], kwargs["max_num_sampled_tokens"] = widened
+        return super()._build_attention_metadata(*args, **kwargs)
+
+
+def check_lora_adapters(runner, check: Callable) -> None:
+    """Call `check(factors)` on every LoRA adapter the runner loads, before vLLM uses it; it raises to refuse one.
+
+    `factors`: module name -> (lora_a shape, lora_b shape), as `LoRAModel.loras` holds them
+    (`LoRALayerWeights`, vllm/lora/lora_weights.py). Wraps the instance attribute `_load_adapter` of
+    `runner.lora_manager` (`WorkerLoRAManager`, vllm/lora/worker_manager.py), which `load_lora_model`
+    (vllm/v1/worker/lora_model_runner_mixin.py) sets when LoRA is enabled; its errors reach the client as
+    vLLM's own (e.g. `/v1/load_lora_adapter`). No-op without LoRA.
+    """
+    manager = getattr(runner, "lora_manager", None)
+    if manager is None:
+        return
+    original = manager._load_adapter
+
+    def _load_adapter(lora_request):
+        lora = original(lora_request)
+        check({name: (tuple(w.lora_a.shape), tuple(w.lora_b.shape)) for name, w in lora.loras.items()
+               if isinstance(w.lora_a, torch.Tensor) and isinstance(w.lora_b, torch.Tensor)})
+        return lora
+
+    manager._load_adapter = _load_adapter
+
+
 def ensure_intermediate_tensors(runner) -> None:
     """The receive buffers of a later pipeline stage, as vLLM's dummy run would allocate them.
 
