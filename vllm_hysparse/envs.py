@@ -37,6 +37,12 @@ PIC_PUBLIC_MB = EnvVar("VLLM_HYSPARSE_PIC_PUBLIC_MB", "1024",
                        "vllm_hysparse.pic.store")
 PIC_PRIVATE_MB = EnvVar("VLLM_HYSPARSE_PIC_PRIVATE_MB", "256",
                         "MiB of stored PIC segments of requests with a `cache_salt`", "vllm_hysparse.pic.store")
+PIC_SHARED = EnvVar("VLLM_HYSPARSE_PIC_SHARED", "unset: no shared tier",
+                    "the PIC store's second tier, shared by every instance that names it: a directory path (or "
+                    "`file:///path`); a bad value stops the engine at start with one line", "vllm_hysparse.pic.shared")
+PIC_SHARED_MB = EnvVar("VLLM_HYSPARSE_PIC_SHARED_MB", "4096",
+                       "MiB the shared directory tier may hold (least recently used entries evicted by the writer)",
+                       "vllm_hysparse.pic.shared")
 CACHE = EnvVar("VLLM_HYSPARSE_CACHE", "`~/.cache/vllm_hysparse`",
                "where built tokenizers (and the SmolLM2 GGUF download) are kept", "vllm_hysparse.tools.tokenizer")
 # vLLM's own variables that the plugin reads or sets.
@@ -47,5 +53,5 @@ V2_RUNNER = EnvVar("VLLM_USE_V2_MODEL_RUNNER", "unset: the plugin sets `0` for H
                    "vLLM's model runner; unset, the plugin chooses V1 (where PIC runs and our tests run) with one log "
                    "line; `1` keeps vLLM's V2, which refuses PIC requests", "vllm_hysparse.vllm_glue.engine_config")
 
-ENV_VARS = (KERNELS, CPU_EXT, EARLY_EXIT, METRICS, METRICS_DIR, PIC_PUBLIC_MB, PIC_PRIVATE_MB, CACHE,
-            PP_LAYER_PARTITION, V2_RUNNER)
+ENV_VARS = (KERNELS, CPU_EXT, EARLY_EXIT, METRICS, METRICS_DIR, PIC_PUBLIC_MB, PIC_PRIVATE_MB, PIC_SHARED,
+            PIC_SHARED_MB, CACHE, PP_LAYER_PARTITION, V2_RUNNER)

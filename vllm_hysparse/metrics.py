@@ -30,7 +30,9 @@ from vllm_hysparse import envs
 METRICS_DIR_ENV = envs.METRICS_DIR.name
 FIELDS = ("queries", "pages", "dense_pages")
 # PIC counters and store gauges, set on the host by the worker's PIC engine (`vllm_hysparse.pic.runner`).
-PIC_COUNTERS = ("segments_hit", "segments_cold", "tokens_reused", "tokens_recomputed")
+PIC_COUNTERS = ("segments_hit", "segments_cold", "tokens_reused", "tokens_recomputed", "shared_hits", "shared_misses",
+                "shared_refused", "shared_errors", "shared_published", "shared_publish_failures", "shared_bytes_read",
+                "shared_bytes_written")
 PIC_POOL_FIELDS = ("bytes", "entries", "evictions")
 PIC_POOLS = ("public", "private")
 _PUBLISH_INTERVAL_S = 0.2
@@ -242,6 +244,14 @@ _PIC_HELP = {
     "segments_cold": "PIC segments computed in isolation and stored (first seen, or evicted).",
     "tokens_reused": "PIC prompt tokens spliced from stored K/V: no layer ran on them.",
     "tokens_recomputed": "PIC prompt tokens run through the layers (prefix, seams, query).",
+    "shared_hits": "PIC segments missing from this instance's store and read from the shared tier.",
+    "shared_misses": "PIC segments found in neither this instance's store nor the shared tier.",
+    "shared_refused": "Shared-tier entries refused (truncated, corrupt or foreign) and recomputed.",
+    "shared_errors": "Shared-tier reads that failed (storage error) and were recomputed.",
+    "shared_published": "PIC segments this instance computed and wrote to the shared tier.",
+    "shared_publish_failures": "PIC segments this instance could not write to the shared tier.",
+    "shared_bytes_read": "Bytes of entries read from the shared tier and used.",
+    "shared_bytes_written": "Bytes of entries written to the shared tier.",
 }
 
 

@@ -49,16 +49,18 @@ def select_pic_worker(vllm_config) -> None:
 
 def check_engine_config(vllm_config) -> None:
     """Refuse, before any worker starts, each with one line: a TP size that neither splits nor replicates
-    the KV heads evenly, a pipeline split that separates layers sharing a KV cache, and a quantised
-    `kv_cache_dtype` our backend cannot store."""
+    the KV heads evenly, a pipeline split that separates layers sharing a KV cache, a quantised
+    `kv_cache_dtype` our backend cannot store, and a PIC shared tier the engine cannot use."""
     from vllm_hysparse.attention.backend import check_kv_cache_dtype
     from vllm_hysparse.configs.base import tensor_parallel_heads
     from vllm_hysparse.models.pipeline import check_pipeline_split
+    from vllm_hysparse.pic.shared import open_shared_tier
 
     config, parallel = vllm_config.model_config.hf_config, vllm_config.parallel_config
     tensor_parallel_heads(config, parallel.tensor_parallel_size)
     check_pipeline_split(config, parallel.pipeline_parallel_size)
     check_kv_cache_dtype(vllm_config.cache_config.cache_dtype)
+    open_shared_tier()
 
 
 class HySparseConfigUpdater:

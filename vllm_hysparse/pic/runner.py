@@ -30,9 +30,10 @@ import numpy as np
 import torch
 from vllm.logger import init_logger
 
-from vllm_hysparse.metrics import worker_stats
+from vllm_hysparse.metrics import PIC_COUNTERS, worker_stats
 from vllm_hysparse.pic.layout import POOL_SALT_FIELD, PICError, PICLayout, parse_layout
 from vllm_hysparse.pic.rotation import rotate_by
+from vllm_hysparse.pic.shared import Publisher, SharedEntryError, decode_entry, open_shared_tier
 from vllm_hysparse.pic.store import SegmentStore, model_fingerprint, segment_key
 from vllm_hysparse.vllm_glue import forward_context
 from vllm_hysparse.vllm_glue.runner import (
@@ -96,7 +97,9 @@ class PICEngine:
         self.store = SegmentStore()
         self.active: dict[str, RequestPIC] = {}  # PIC requests, by id, until they finish or are preempted
         self.tap = KVTap()
-        self.counters = dict(segments_hit=0, segments_cold=0, tokens_reused=0, tokens_recomputed=0)
+        self.counters = dict.fromkeys(PIC_COUNTERS, 0)
+        self.shared = None  # the second tier (`pic.shared`), if VLLM_HYSPARSE_PIC_SHARED names one
+        self.publisher: Publisher | None = None
         self._ready = False
         self.fingerprint = ""
         self.kv_layers: dict[str, object] = {}  # KV-owning attention layers by name
@@ -119,6 +122,9 @@ class PICEngine:
                 self.ropes[name] = getattr(parent, "rotary_emb", None)
                 self.windows[name] = getattr(layer, "sliding_window", None)
         self.fingerprint = model_fingerprint(model, runner.model_config.hf_config, runner.model_config.dtype)
+        self.shared = open_shared_tier()  # the config hook has checked the setting at engine start
+        if self.shared is not None:
+            self.publisher = Publisher(self.shared, self.counters, on_change=self.publish)
         self._ready = True
 
     def release(self, req_ids) -> None:
@@ -174,7 +180,7 @@ class PICEngine:
                     continue
                 key, ids = info.keys[seg]
                 if key not in entries and key not in cold:
-                    entry = self.store.lookup(info.pool, key, ids, rid)
+                    entry = self.store.lookup(info.pool, key, ids, rid) or self._from_shared(info.pool, key, ids, rid)
                     if entry is None:
                         cold[key] = (ids, info.pool, [])
                     else:
@@ -204,6 +210,38 @@ class PICEngine:
                 self._count(stats)
             return None
         return StepPlan(recompute, splices, cold, entries, stats)
+
+    def _from_shared(self, pool: str, key: str, ids: tuple, rid: str):
+        """A segment missing from this instance's store, from the second tier into the first (pinned), or None.
+
+        Every failure costs a recompute: a missing entry, a storage error (logged), an entry refused as
+        truncated, corrupt or foreign (logged, and left for its writer's next publish to replace).
+        """
+        if self.shared is None:
+            return None
+        try:
+            data = self.shared.get(key)
+        except OSError as e:
+            self.counters["shared_errors"] += 1
+            logger.warning("PIC shared tier %s: cannot read segment %s (%s); recomputing it", self.shared.url,
+                           key[:12], e)
+            return None
+        if data is None:
+            self.counters["shared_misses"] += 1
+            return None
+        try:
+            kv = decode_entry(data, key, self.fingerprint, pool, ids)
+            if kv.keys() != self.kv_layers.keys():
+                raise SharedEntryError("foreign entry: other attention layers")
+        except SharedEntryError as e:
+            self.counters["shared_refused"] += 1
+            logger.warning("PIC shared tier %s: refused segment %s: %s; recomputing it", self.shared.url, key[:12], e)
+            return None
+        device = next(iter(self.kv_layers.values())).kv_cache.device
+        kv = {name: (k.to(device), v.to(device), first) for name, (k, v, first) in kv.items()}
+        self.counters["shared_hits"] += 1
+        self.counters["shared_bytes_read"] += len(data)
+        return self.store.insert(pool, key, ids, kv, rid)
 
     def _count(self, stats: dict) -> None:
         for k, v in stats.items():
@@ -354,6 +392,8 @@ class PICEngine:
             for rid in rids[1:]:
                 self.store.lookup(pool, key, ids, rid)
             plan.entries[key] = entry
+            if self.publisher is not None:  # written by the publisher's thread, off this step
+                self.publisher.submit(key, self.fingerprint, pool, ids, kv)
 
     def _stored_rows(self, name: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(K, V, first offset) a layer keeps of a segment.

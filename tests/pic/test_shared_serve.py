@@ -1,0 +1,163 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Two `vllm serve` instances sharing one PIC directory tier (`VLLM_HYSPARSE_PIC_SHARED`), with the `openai` client.
+
+Documents a PIC request computes on instance A are hits on instance B, in another order (its metrics prove it),
+and B answers as A does; entries made corrupt, truncated or foreign in the directory are refused, counted and
+recomputed; entries of requests with a `cache_salt` are found only by that salt. Documents are drawn from a
+printed seed (`HYSPARSE_SHARED_SEED` replays it). Bad settings are refused at engine start (offline, no engine).
+"""
+
+import contextlib
+import os
+import random
+import time
+
+import openai
+import pytest
+import requests
+
+import vllm_hysparse  # noqa: F401
+from tests.entrypoints.serve_utils import serve
+from tests.vllm_utils import make_llm
+from vllm_hysparse.pic.shared import SHARED_ENV, SHARED_MB_ENV
+from vllm_hysparse.tools.make_checkpoint import write_checkpoint
+
+SEED = int(os.environ.get("HYSPARSE_SHARED_SEED", random.SystemRandom().randrange(2**31)))
+SEAM = 4
+MAX_TOKENS = 4
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """(instance A, instance B, the shared directory, checkpoint)."""
+    print(f"seed {SEED} (HYSPARSE_SHARED_SEED replays it)")
+    root = tmp_path_factory.mktemp("pic-shared")
+    ckpt = write_checkpoint(root / "tiny", "hysparse2", "tiny", seed=41)
+    shared = root / "tier"
+    env = {SHARED_ENV: str(shared), SHARED_MB_ENV: "64"}
+    args = ("--enforce-eager", "--max-model-len", "1024", "--block-size", "32")
+    with contextlib.ExitStack() as stack:
+        a = stack.enter_context(serve(ckpt, root / "a.log", *args, env=env))
+        b = stack.enter_context(serve(ckpt, root / "b.log", *args, env=env))
+        yield a, b, shared, ckpt
+
+
+def _docs(rng, n: int, vocab: int = 4096) -> list[list[int]]:
+    return [[rng.randrange(16, vocab) for _ in range(rng.randrange(40, 90))] for _ in range(n)]
+
+
+def _pic(server, parts: list[list[int]], salt: str | None = None):
+    """(token ids, per-step logprobs) of a greedy PIC completion of `parts` joined, each part a segment."""
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    extra = {"vllm_xargs": {"pic_segments": [len(p) for p in parts], "pic_seam_tokens": SEAM},
+             "return_token_ids": True, "ignore_eos": True}
+    if salt is not None:
+        extra["cache_salt"] = salt
+    r = client.completions.create(model=model, prompt=[t for p in parts for t in p], max_tokens=MAX_TOKENS,
+                                  temperature=0, logprobs=3, extra_body=extra)
+    choice = r.choices[0]
+    return choice.token_ids, choice.logprobs.token_logprobs
+
+
+def _counters(server) -> dict[str, float]:
+    text = requests.get(f"{server.root}/metrics", timeout=30).text
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:hysparse_pic_") and "{" not in line:
+            name, value = line.rsplit(" ", 1)
+            out[name.removeprefix("vllm:hysparse_pic_").removesuffix("_total")] = float(value)
+    return out
+
+
+def _wait(server, until, timeout_s: float = 60) -> dict[str, float]:
+    deadline = time.time() + timeout_s
+    while True:
+        now = _counters(server)
+        if until(now) or time.time() > deadline:
+            return now
+        time.sleep(0.2)
+
+
+def _gained(server, before, until=lambda d: True) -> dict[str, float]:
+    after = _wait(server, lambda now: until({k: now[k] - before.get(k, 0) for k in now}))
+    return {k: after[k] - before.get(k, 0) for k in after}
+
+
+def _entry_files(shared) -> set:
+    return {p for p in shared.rglob("*.pic") if not p.name.startswith(".tmp-")}
+
+
+def test_documents_computed_on_one_instance_are_hits_on_the_other(setup):
+    a, b, shared, _ = setup
+    rng = random.Random(SEED)
+    prefix, d1, d2, d3, query = _docs(rng, 5)
+    before_a, before_b = _counters(a), _counters(b)
+    _pic(a, [prefix, d1, d2, d3, query])
+    got_a = _gained(a, before_a, lambda d: d.get("shared_published", 0) >= 3)
+    assert got_a["segments_cold"] == 3 and got_a["shared_published"] == 3 and got_a["shared_misses"] == 3
+    assert len(_entry_files(shared)) >= 3
+    reordered = [prefix, d3, d1, d2, query]
+    on_b = _pic(b, reordered)
+    got_b = _gained(b, before_b, lambda d: d.get("segments_hit", 0) >= 3)
+    assert got_b["shared_hits"] == 3 and got_b["segments_hit"] == 3 and got_b["segments_cold"] == 0
+    assert got_b["shared_refused"] == 0 and got_b["shared_bytes_read"] > 0
+    # One instance alone (A, from its own store) answers the same request identically.
+    on_a = _pic(a, reordered)
+    assert on_b[0] == on_a[0] and on_b[1] == on_a[1]
+
+
+def test_corrupt_truncated_and_foreign_entries_are_refused_and_recomputed(setup):
+    a, b, shared, _ = setup
+    rng = random.Random(SEED + 1)
+    prefix, e1, e2, e3, query = _docs(rng, 5)
+    before_a = _counters(a)
+    files_before = _entry_files(shared)
+    reference = _pic(a, [prefix, e1, e2, e3, query])
+    _gained(a, before_a, lambda d: d.get("shared_published", 0) >= 3)
+    new = sorted(_entry_files(shared) - files_before, key=lambda p: p.stat().st_mtime)
+    assert len(new) == 3, new
+    blobs = [p.read_bytes() for p in new]
+    flipped = bytearray(blobs[0])
+    flipped[rng.randrange(len(flipped))] ^= 0x10
+    new[0].write_bytes(bytes(flipped))  # corrupt
+    new[1].write_bytes(blobs[1][:rng.randrange(1, len(blobs[1]))])  # truncated
+    new[2].write_bytes(blobs[0])  # another segment's whole entry: foreign
+    before_b = _counters(b)
+    got = _pic(b, [prefix, e1, e2, e3, query])
+    gained = _gained(b, before_b, lambda d: d.get("shared_published", 0) >= 3)
+    assert gained["shared_refused"] == 3 and gained["shared_hits"] == 0 and gained["segments_cold"] == 3
+    assert gained["shared_published"] == 3  # B's own computation replaces them
+    assert got == reference
+    assert "refused segment" in (b.log.read_text(errors="replace"))
+
+
+def test_salted_entries_are_found_only_with_their_salt(setup):
+    a, b, shared, _ = setup
+    rng = random.Random(SEED + 2)
+    prefix, f1, f2, query = _docs(rng, 4)
+    parts = [prefix, f1, f2, query]
+    before_a = _counters(a)
+    _pic(a, parts, salt="tenant-a")
+    _gained(a, before_a, lambda d: d.get("shared_published", 0) >= 2)
+    for salt in ("tenant-b", None):  # another tenant, and the public pool: neither reads tenant-a's entries
+        before_b = _counters(b)
+        _pic(b, parts, salt=salt)
+        gained = _gained(b, before_b, lambda d: d.get("shared_published", 0) >= 2)
+        assert gained["shared_hits"] == 0 and gained["shared_misses"] == 2 and gained["segments_cold"] == 2, salt
+    before_b = _counters(b)
+    _pic(b, [prefix, f2, f1, query], salt="tenant-a")
+    gained = _gained(b, before_b, lambda d: d.get("segments_hit", 0) >= 2)
+    assert gained["shared_hits"] == 2 and gained["segments_cold"] == 0
+
+
+def test_bad_settings_are_refused_at_engine_start(setup, monkeypatch, tmp_path):
+    from pydantic import ValidationError
+
+    *_, ckpt = setup
+    monkeypatch.setenv(SHARED_ENV, "memcache://nowhere")
+    with pytest.raises(ValidationError) as info:
+        make_llm(ckpt, enforce_eager=True)
+    (error,) = info.value.errors()
+    ours = str(error["ctx"]["error"])
+    assert ours.startswith(f"{SHARED_ENV}: unknown scheme 'memcache'") and "\n" not in ours
