@@ -31,8 +31,8 @@ METRICS_DIR_ENV = envs.METRICS_DIR.name
 FIELDS = ("queries", "pages", "dense_pages")
 # PIC counters and store gauges, set on the host by the worker's PIC engine (`vllm_hysparse.pic.runner`).
 PIC_COUNTERS = ("segments_hit", "segments_cold", "tokens_reused", "tokens_recomputed", "shared_hits", "shared_misses",
-                "shared_refused", "shared_errors", "shared_published", "shared_publish_failures", "shared_bytes_read",
-                "shared_bytes_written")
+                "shared_refused", "shared_errors", "shared_queued", "shared_published", "shared_publish_failures",
+                "shared_bytes_read", "shared_bytes_written")
 PIC_POOL_FIELDS = ("bytes", "entries", "evictions")
 PIC_POOLS = ("public", "private")
 _PUBLISH_INTERVAL_S = 0.2
@@ -248,6 +248,7 @@ _PIC_HELP = {
     "shared_misses": "PIC segments found in neither this instance's store nor the shared tier.",
     "shared_refused": "Shared-tier entries refused (truncated, corrupt or foreign) and recomputed.",
     "shared_errors": "Shared-tier reads that failed (storage error) and were recomputed.",
+    "shared_queued": "PIC segments this instance computed and handed to its shared-tier writer.",
     "shared_published": "PIC segments this instance computed and wrote to the shared tier.",
     "shared_publish_failures": "PIC segments this instance could not write to the shared tier.",
     "shared_bytes_read": "Bytes of entries read from the shared tier and used.",

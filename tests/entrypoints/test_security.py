@@ -304,7 +304,9 @@ def test_nothing_listens_but_the_port(server):
 
 # Client-side tools that start and probe `vllm serve` (the benchmark harness finds a free port by binding one):
 # never imported by what a server runs (tests/test_layers.py forbids serving code to import `tools`).
-CLIENT_TOOLS = {"vllm_hysparse/tools/harness.py"}
+# The PIC router (`python -m vllm_hysparse.pic.router`) is a server by design, in a process of its own: no engine or
+# API server imports it.
+CLIENT_TOOLS = {"vllm_hysparse/tools/harness.py", "vllm_hysparse/pic/router.py"}
 
 
 def test_our_code_opens_no_sockets():

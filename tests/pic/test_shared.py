@@ -86,7 +86,8 @@ def test_foreign_entries_are_refused_naming_what_differs(rng, what):
     asked = {"key": key, "fingerprint": FP, "pool": "public", "token_ids": list(ids)}
     asked[what] = {"key": "0" * 32, "fingerprint": "e" * 32, "pool": "private",
                    "token_ids": [*ids[:-1], ids[-1] + 1]}[what]
-    with pytest.raises(SharedEntryError, match="foreign entry: " + ("other token ids" if what == "token_ids" else f"its {what} ")):
+    reason = "other token ids" if what == "token_ids" else f"its {what} "
+    with pytest.raises(SharedEntryError, match="foreign entry: " + reason):
         decode_entry(data, **asked)
 
 

@@ -97,6 +97,11 @@ def _pic(server, parts: list[list[int]], salt: str | None = None):
     return choice.token_ids, choice.logprobs.token_logprobs
 
 
+def _same(x, y) -> bool:
+    """Same tokens, logprobs within 1e-4 (requests batched differently round differently)."""
+    return x[0] == y[0] and all(abs(p - q) < 1e-4 for p, q in zip(x[1], y[1], strict=True))
+
+
 def _counters(server) -> dict[str, float]:
     text = requests.get(f"{server.root}/metrics", timeout=30).text
     out = {}
@@ -116,8 +121,14 @@ def _wait(server, until, timeout_s: float = 60) -> dict[str, float]:
         time.sleep(0.2)
 
 
-def _gained(server, before, until=lambda d: True) -> dict[str, float]:
-    after = _wait(server, lambda now: until({k: now[k] - before.get(k, 0) for k in now}))
+def _gained(server, before, published: int = 0, segments: int = 0) -> dict[str, float]:
+    """Counters gained since `before`, once the request's segments are counted (hit or cold: the step's own
+    count, published after its writer may already have reported) and `published` entries are written."""
+    def settled(now):
+        d = {k: now[k] - before.get(k, 0) for k in now}
+        return d.get("segments_hit", 0) + d.get("segments_cold", 0) >= segments and \
+            d.get("shared_published", 0) >= published
+    after = _wait(server, settled)
     return {k: after[k] - before.get(k, 0) for k in after}
 
 
@@ -127,12 +138,12 @@ def test_documents_computed_on_one_instance_are_hits_on_the_other(setup):
     prefix, d1, d2, d3, query = _docs(rng, 5)
     before_a, before_b = _counters(a), _counters(b)
     _pic(a, [prefix, d1, d2, d3, query])
-    got_a = _gained(a, before_a, lambda d: d.get("shared_published", 0) >= 3)
+    got_a = _gained(a, before_a, published=3, segments=3)
     assert got_a["segments_cold"] == 3 and got_a["shared_published"] == 3 and got_a["shared_misses"] == 3
     assert len(shared.keys()) >= 3
     reordered = [prefix, d3, d1, d2, query]
     on_b = _pic(b, reordered)
-    got_b = _gained(b, before_b, lambda d: d.get("segments_hit", 0) >= 3)
+    got_b = _gained(b, before_b, segments=3)
     assert got_b["shared_hits"] == 3 and got_b["segments_hit"] == 3 and got_b["segments_cold"] == 0
     assert got_b["shared_refused"] == 0 and got_b["shared_bytes_read"] > 0
     # One instance alone (A, from its own store) answers the same request identically.
@@ -147,7 +158,7 @@ def test_corrupt_truncated_and_foreign_entries_are_refused_and_recomputed(setup)
     before_a = _counters(a)
     keys_before = shared.keys()
     reference = _pic(a, [prefix, e1, e2, e3, query])
-    _gained(a, before_a, lambda d: d.get("shared_published", 0) >= 3)
+    _gained(a, before_a, published=3, segments=3)
     new = sorted(shared.keys() - keys_before)
     assert len(new) == 3, new
     blobs = [shared.read(k) for k in new]
@@ -158,7 +169,7 @@ def test_corrupt_truncated_and_foreign_entries_are_refused_and_recomputed(setup)
     shared.write(new[2], blobs[0])  # another segment's whole entry: foreign
     before_b = _counters(b)
     got = _pic(b, [prefix, e1, e2, e3, query])
-    gained = _gained(b, before_b, lambda d: d.get("shared_published", 0) >= 3)
+    gained = _gained(b, before_b, published=3, segments=3)
     assert gained["shared_refused"] == 3 and gained["shared_hits"] == 0 and gained["segments_cold"] == 3
     assert gained["shared_published"] == 3  # B's own computation replaces them
     assert got == reference
@@ -172,15 +183,15 @@ def test_salted_entries_are_found_only_with_their_salt(setup):
     parts = [prefix, f1, f2, query]
     before_a = _counters(a)
     _pic(a, parts, salt="tenant-a")
-    _gained(a, before_a, lambda d: d.get("shared_published", 0) >= 2)
+    _gained(a, before_a, published=2, segments=2)
     for salt in ("tenant-b", None):  # another tenant, and the public pool: neither reads tenant-a's entries
         before_b = _counters(b)
         _pic(b, parts, salt=salt)
-        gained = _gained(b, before_b, lambda d: d.get("shared_published", 0) >= 2)
+        gained = _gained(b, before_b, published=2, segments=2)
         assert gained["shared_hits"] == 0 and gained["shared_misses"] == 2 and gained["segments_cold"] == 2, salt
     before_b = _counters(b)
     _pic(b, [prefix, f2, f1, query], salt="tenant-a")
-    gained = _gained(b, before_b, lambda d: d.get("segments_hit", 0) >= 2)
+    gained = _gained(b, before_b, segments=2)
     assert gained["shared_hits"] == 2 and gained["segments_cold"] == 0
 
 
@@ -194,3 +205,78 @@ def test_bad_settings_are_refused_at_engine_start(setup, monkeypatch, tmp_path):
     (error,) = info.value.errors()
     ours = str(error["ctx"]["error"])
     assert ours.startswith(f"{SHARED_ENV}: unknown scheme 'memcache'") and "\n" not in ours
+
+
+# ---- the router (directory tier only: the tier is the same interface) ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def router(setup):
+    """`python -m vllm_hysparse.pic.router` in front of both instances; yields its base URL."""
+    import subprocess
+    import sys
+
+    from vllm_hysparse.tools.harness import free_port, wait_until_healthy
+
+    a, b, *_ = setup
+    port = free_port()
+    log = a.log.parent / "router.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "vllm_hysparse.pic.router", "--backends", a.root, b.root,
+                                 "--port", str(port)], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_until_healthy(f"http://127.0.0.1:{port}", 60, proc=proc, log_tail=lambda: log.read_text()[-3000:])
+        yield f"http://127.0.0.1:{port}", log
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+class _Via:
+    """A server-like handle for `_pic` that points at the router."""
+
+    def __init__(self, root):
+        self.root, self.base_url = root, f"{root}/v1"
+
+
+@pytest.mark.parametrize("setup", ["directory"], indirect=True)
+def test_router_spreads_cold_segments_and_answers_as_one_instance(setup, router):
+    a, b, _, _ = setup
+    rng = random.Random(SEED + 3)
+    prefix, *docs, query = _docs(rng, 6)
+    parts = [prefix, *docs, query]
+    before = [_counters(s) for s in (a, b)]
+    got = _pic(_Via(router[0]), parts)
+    # Each instance ran some segment requests, and one of them the whole request as well.
+    deadline = time.time() + 60
+    while True:
+        gained = [_gained(s, start, published=1, segments=1) for s, start in zip((a, b), before)]
+        if sum(g["segments_cold"] for g in gained) >= len(docs) or time.time() > deadline:
+            break
+        time.sleep(0.2)
+    cold = [g["segments_cold"] for g in gained]
+    assert sum(cold) == len(docs) and all(cold), cold  # both instances computed some
+    # The whole request ran on one of them, which found the other's segments in the shared tier.
+    assert sum(g["shared_hits"] for g in gained) >= min(cold), gained
+    assert _same(got, _pic(a, parts))
+    text = requests.get(f"{router[0]}/metrics", timeout=30).text
+    assert f"vllm:hysparse_pic_router_segment_requests_total {len(docs)}" in text, text
+
+
+@pytest.mark.parametrize("setup", ["directory"], indirect=True)
+def test_router_answers_every_request_when_a_backend_dies(setup, router):
+    """Last of the directory tests: it kills instance B."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    a, b, _, _ = setup
+    rng = random.Random(SEED + 4)
+    bodies = [_docs(rng, 4) for _ in range(6)]
+    via = _Via(router[0])
+    with ThreadPoolExecutor(3) as pool:
+        first = list(pool.map(lambda parts: _pic(via, parts), bodies[:3]))
+        b.proc.kill()
+        b.proc.wait(30)
+        rest = list(pool.map(lambda parts: _pic(via, parts), bodies[3:]))
+    assert all(len(tokens) == MAX_TOKENS for tokens, _ in first + rest)
+    assert all(_same(got, _pic(a, parts)) for got, parts in zip(rest, bodies[3:]))
+    assert "marked down" in router[1].read_text()

@@ -393,6 +393,7 @@ class PICEngine:
                 self.store.lookup(pool, key, ids, rid)
             plan.entries[key] = entry
             if self.publisher is not None:  # written by the publisher's thread, off this step
+                self.counters["shared_queued"] += 1
                 self.publisher.submit(key, self.fingerprint, pool, ids, kv)
 
     def _stored_rows(self, name: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
