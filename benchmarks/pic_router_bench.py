@@ -170,9 +170,9 @@ def markdown(result: dict) -> str:
         met = s[key] <= goal if key != "projection_8" else s[key] >= goal
         lines.append(f"| {label} | {s[key]:.2f}{'x' if key == 'projection_8' else ''} | "
                      f"{'>=' if key == 'projection_8' else '<='} {goal} | {'met' if met else 'missed'} |")
-    lines += ["", "Projection from the measured segment times (s, medians: "
-              + ", ".join(f"{t:.2f}" for t in s["segment_median_s"]) + f") and the final step ({med['final_s']:.2f} s), "
-              f"LPT schedule; HYPIC reports {HYPIC_8}x at 8 instances:", "",
+    times = ", ".join(f"{t:.2f}" for t in s["segment_median_s"])
+    lines += ["", f"Projection from the measured segment times (s, medians: {times}) and the final step "
+              f"({med['final_s']:.2f} s), LPT schedule; HYPIC reports {HYPIC_8}x at 8 instances:", "",
               "| instances | projected speed-up |", "| ---: | ---: |"]
     lines += [f"| {n} | {v:.2f}x |" for n, v in s["projection"].items()]
     return "\n".join(lines) + "\n"
