@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -52,7 +53,7 @@ BENCH_DIR = Path(__file__).resolve().parent
 RESULTS_DIR = BENCH_DIR / "results" / "pic"
 HYPIC_8 = 5.7
 TARGETS = {"two_over_one_cold": 0.6, "warm_other_over_same": 1.2, "projection_8": 4.0}
-FULL = dict(preset="small", docs=8, doc_len=1024, system_len=64, query_len=32, repeats=2, seam=8, vocab=32000,
+FULL = dict(preset="small", docs=8, doc_len=1024, system_len=64, query_len=32, repeats=2, seam=8, vocab=8192,
             max_model_len=16384)
 QUICK = dict(preset="tiny", docs=8, doc_len=96, system_len=64, query_len=32, repeats=2, seam=8, vocab=4096,
              max_model_len=1024)
@@ -62,10 +63,11 @@ def post(url: str, body: dict, timeout: float = 1800) -> float:
     """Seconds to the whole answer of a completion request."""
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     start = time.perf_counter()
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        r.read()
-        if r.status != 200:
-            raise RuntimeError(f"{url}: status {r.status}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            r.read()
+    except urllib.error.HTTPError as e:
+        raise RuntimeError(f"{url}: status {e.code}: {e.read()[:300]!r}") from None
     return time.perf_counter() - start
 
 

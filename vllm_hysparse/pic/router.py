@@ -9,10 +9,10 @@ phases:
    with the least work assigned (HYPIC's LPT schedule), as a small PIC request of its own:
    `[first prompt token] + segment + [last prompt token]`, one output token, the request's `cache_salt` kept.
    A backend that holds the segment already (its store or the shared tier) answers at once; one that does not
-   computes it in isolation and publishes it to the shared tier. The router then waits until each backend used
-   has written what it queued (`vllm:hysparse_pic_shared_published_total` and `..._publish_failures_total`
-   reach `..._shared_queued_total`).
-2. **The request** goes whole to the least-loaded backend, which finds every segment in the shared tier, and its
+   computes it in isolation and publishes it to the shared tier.
+2. **The request** goes whole to the backend that computed the most segment tokens (they are in its own store),
+   once every other backend used has written what it queued (`vllm:hysparse_pic_shared_published_total` and
+   `..._publish_failures_total` reach `..._shared_queued_total`); it finds the rest in the shared tier, and its
    answer (streamed or not) is passed back.
 
 Everything else (plain completions, chat, `/v1/models`, streaming) is passed to the least-loaded backend.
@@ -143,7 +143,7 @@ def build_app(router: Router, headers_for_backends: dict | None = None):
 
     async def drained(backend: Backend) -> None:
         """Wait until `backend` has written every segment it queued for the shared tier (or until the deadline)."""
-        await asyncio.sleep(0.3)  # its worker publishes counters within 0.2 s of a change
+        await asyncio.sleep(0.25)  # its worker publishes counters within 0.2 s of a change
         deadline = time.monotonic() + PUBLISH_WAIT_S
         target = None
         while time.monotonic() < deadline:
@@ -156,7 +156,7 @@ def build_app(router: Router, headers_for_backends: dict | None = None):
             target = _counter(text, "vllm:hysparse_pic_shared_queued_total") if target is None else target
             if done >= target:
                 return
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.02)
         logger.warning("backend %s did not publish its segments within %.0f s", backend.url, PUBLISH_WAIT_S)
 
     async def run_segment(job: dict, headers: dict) -> Backend | None:
@@ -181,25 +181,34 @@ def build_app(router: Router, headers_for_backends: dict | None = None):
                 backend.assigned_tokens -= len(job["prompt"])
         return None
 
-    async def prefill_segments(body: dict, headers: dict) -> None:
+    async def prefill_segments(body: dict, headers: dict) -> Backend | None:
+        """Run the segment requests; returns the backend that computed the most segment tokens, which runs the
+        whole request: it holds those segments in its own store, so only the others' writes are waited for."""
         jobs = segment_jobs(body)
         if not jobs:
-            return
+            return None
         router.queue_depth += 1
         try:
             # Longest first onto the least-loaded backend: pick() counts each backend's assigned tokens, and
             # the tasks start in order, so each job sees the ones before it.
             used = await asyncio.gather(*(run_segment(job, headers) for job in jobs))
-            await asyncio.gather(*(drained(b) for b in {b for b in used if b is not None}))
+            tokens: dict[Backend, int] = {}
+            for backend, job in zip(used, jobs):
+                if backend is not None:
+                    tokens[backend] = tokens.get(backend, 0) + len(job["prompt"])
+            final = max(tokens, key=tokens.get, default=None)
+            await asyncio.gather(*(drained(b) for b in tokens if b is not final))
+            return final
         finally:
             router.queue_depth -= 1
 
-    async def proxy(request: Request, body: bytes, path: str):
-        """Pass the request to the least-loaded backend; retry on another one until its answer begins."""
+    async def proxy(request: Request, body: bytes, path: str, prefer: Backend | None = None):
+        """Pass the request to `prefer` if it is up, else the least-loaded backend; retry on another one until its
+        answer begins."""
         headers = forward_headers(request)
         tried = []
         while True:
-            backend = router.pick(exclude=tried)
+            backend = prefer if prefer is not None and prefer.up() and not tried else router.pick(exclude=tried)
             tried.append(backend)
             backend.in_flight += 1
             try:
@@ -234,10 +243,11 @@ def build_app(router: Router, headers_for_backends: dict | None = None):
             parsed = json.loads(body)
         except ValueError:
             parsed = None
+        prefer = None
         if isinstance(parsed, dict) and segment_jobs(parsed):
             router.stats["pic_requests"] += 1
-            await prefill_segments(parsed, forward_headers(request))
-        return await proxy(request, body, "/v1/completions")
+            prefer = await prefill_segments(parsed, forward_headers(request))
+        return await proxy(request, body, "/v1/completions", prefer)
 
     async def passthrough(request: Request):
         router.stats["requests"] += 1
