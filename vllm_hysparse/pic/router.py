@@ -31,7 +31,7 @@ import json
 import logging
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from vllm_hysparse.pic.layout import DEFAULT_SEAM, SEAM_FIELD, SEGMENTS_FIELD
 
@@ -53,7 +53,6 @@ class Backend:
     assigned_tokens: int = 0  # segment tokens of the current LPT schedules not yet done
     down_until: float = 0.0
     served: int = 0
-    failures: int = 0
 
     def up(self) -> bool:
         return time.monotonic() >= self.down_until
@@ -65,7 +64,7 @@ class Router:
     timeout_s: float = 600.0
     queue_depth: int = 0  # PIC requests in their segments phase
     segment_requests: int = 0
-    stats: dict = field(default_factory=lambda: {"requests": 0, "pic_requests": 0, "retries": 0})
+    retries: int = 0
 
     def pick(self, exclude=()) -> Backend:
         """The backend with the least work, among those up (all of them if none is)."""
@@ -74,7 +73,6 @@ class Router:
         return min(live, key=lambda b: (b.assigned_tokens + 64 * b.in_flight, b.in_flight))
 
     def mark_down(self, backend: Backend, why: str) -> None:
-        backend.failures += 1
         backend.down_until = time.monotonic() + DOWN_S
         logger.warning("backend %s failed (%s); marked down for %.0f s", backend.url, why, DOWN_S)
 
@@ -175,7 +173,7 @@ def build_app(router: Router, headers_for_backends: dict | None = None):
                 return backend if r.status_code == 200 else None
             except httpx.HTTPError as e:
                 router.mark_down(backend, f"{type(e).__name__}: {e}")
-                router.stats["retries"] += 1
+                router.retries += 1
             finally:
                 backend.in_flight -= 1
                 backend.assigned_tokens -= len(job["prompt"])
@@ -221,7 +219,7 @@ def build_app(router: Router, headers_for_backends: dict | None = None):
                 if len(tried) >= len(router.backends):
                     return JSONResponse({"error": {"message": "no backend answered", "type": "BadGateway",
                                                    "code": 502}}, status_code=502)
-                router.stats["retries"] += 1
+                router.retries += 1
                 continue
             backend.served += 1
 
@@ -238,19 +236,16 @@ def build_app(router: Router, headers_for_backends: dict | None = None):
 
     async def completions(request: Request):
         body = await request.body()
-        router.stats["requests"] += 1
         try:
             parsed = json.loads(body)
         except ValueError:
             parsed = None
         prefer = None
         if isinstance(parsed, dict) and segment_jobs(parsed):
-            router.stats["pic_requests"] += 1
             prefer = await prefill_segments(parsed, forward_headers(request))
         return await proxy(request, body, "/v1/completions", prefer)
 
     async def passthrough(request: Request):
-        router.stats["requests"] += 1
         return await proxy(request, await request.body(), request.url.path)
 
     async def health(_):
@@ -269,7 +264,7 @@ def build_app(router: Router, headers_for_backends: dict | None = None):
             "# TYPE vllm:hysparse_pic_router_segment_requests_total counter",
             f"vllm:hysparse_pic_router_segment_requests_total {router.segment_requests}",
             "# TYPE vllm:hysparse_pic_router_retries_total counter",
-            f"vllm:hysparse_pic_router_retries_total {router.stats['retries']}",
+            f"vllm:hysparse_pic_router_retries_total {router.retries}",
             "# TYPE vllm:hysparse_pic_router_backend_in_flight gauge",
             *(f'vllm:hysparse_pic_router_backend_in_flight{{backend="{b.url}"}} {b.in_flight}'
               for b in router.backends),
