@@ -13,8 +13,13 @@ of random tokens never sent before (a fresh set for every measurement), and a 32
 - **cold, two instances**: a request over other new documents sent to the router;
 - **warm, same instance**: A's documents again, in another order with another question, sent to A (its own store);
 - **warm, other instance**: the same sent to B, which reads every document from the shared tier;
-- **segment times**: each document of a fresh set sent alone to A as the router would send it, timed, then the
-  whole request to A (every segment a hit: the final step).
+- **segment times**: each document of a fresh set sent alone to A as the router would send it (a publish-only
+  request, answered once the segment is in the tier), timed, then the whole request to A (every segment a hit:
+  the final step);
+- **where the two-instance time goes**: the router's own phase timers (`vllm:hysparse_pic_router_phase_seconds`)
+  around each cold two-instance request: its segments phase (set beside the LPT makespan of the segment times on
+  two instances), the rest of the request at the router (the whole request on one instance, set beside the final
+  step alone), and what the client saw beyond the router (HTTP through one more hop).
 
 The projection to N instances is `cold one / (LPT makespan of the segment times on N + final step)`, set beside
 HYPIC's 5.7x at 8 instances (32k tokens, 8 segments, GPUs). Writes
@@ -76,6 +81,13 @@ def pic_body(model: str, parts: list[list[int]], seam: int) -> dict:
             "vllm_xargs": {"pic_segments": [len(p) for p in parts], "pic_seam_tokens": seam}}
 
 
+def router_phases(root: str) -> dict[str, float]:
+    """The router's `vllm:hysparse_pic_router_phase_seconds_total` by phase."""
+    text = urllib.request.urlopen(f"{root}/metrics", timeout=30).read().decode()
+    return {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("vllm:hysparse_pic_router_phase_seconds_total{")}
+
+
 def lpt_makespan(times: list[float], n: int) -> float:
     """Longest processing time first onto the least-loaded of `n` machines: the finishing time."""
     loads = [0.0] * n
@@ -100,7 +112,8 @@ def run(cfg: dict, ckpt: Path, work: Path) -> dict:
     tier = work / "tier"
     env_extra = {"VLLM_HYSPARSE_PIC_SHARED": str(tier), "VLLM_HYSPARSE_PIC_SHARED_MB": "16384",
                  "OMP_NUM_THREADS": "1"}
-    out = {"cold_one": [], "cold_two": [], "warm_same": [], "warm_other": [], "segment_s": [], "final_s": []}
+    out = {"cold_one": [], "cold_two": [], "warm_same": [], "warm_other": [], "segment_s": [], "final_s": [],
+           "router_segments_s": [], "router_request_s": []}
     with contextlib.ExitStack() as stack:
         roots = []
         for core in (0, 1):
@@ -131,7 +144,11 @@ def run(cfg: dict, ckpt: Path, work: Path) -> dict:
             out["warm_same"].append(post(a, pic_body(model, again, seam)))
             again = [parts[0], *rng.sample(docs, len(docs)), toks(cfg["query_len"])]
             out["warm_other"].append(post(b, pic_body(model, again, seam)))
+            before = router_phases(router_root)
             out["cold_two"].append(post(f"{router_root}/v1/completions", pic_body(model, new_request(), seam)))
+            after = router_phases(router_root)
+            out["router_segments_s"].append(after["segments"] - before["segments"])
+            out["router_request_s"].append(after["request"] - before["request"])
             parts = new_request()
             body = pic_body(model, parts, seam)
             out["segment_s"].append([post(a, job) for job in segment_jobs(body)])
@@ -144,7 +161,10 @@ def summarize(raw: dict) -> dict:
     med = {k: statistics.median(v) for k, v in raw.items() if k not in ("segment_s",)}
     segments = [statistics.median(ts) for ts in zip(*raw["segment_s"])]
     projection = {n: med["cold_one"] / (lpt_makespan(segments, n) + med["final_s"]) for n in (1, 2, 4, 8)}
-    return {"median_s": med, "segment_median_s": segments, "projection": projection,
+    breakdown = {"segments_phase": med["router_segments_s"], "segments_lpt_2": lpt_makespan(segments, 2),
+                 "final_phase": med["router_request_s"] - med["router_segments_s"], "final_alone": med["final_s"],
+                 "beyond_router": med["cold_two"] - med["router_request_s"]}
+    return {"median_s": med, "segment_median_s": segments, "projection": projection, "breakdown": breakdown,
             "two_over_one_cold": med["cold_two"] / med["cold_one"],
             "warm_other_over_same": med["warm_other"] / med["warm_same"],
             "projection_8": projection[8]}
@@ -172,6 +192,15 @@ def markdown(result: dict) -> str:
         met = s[key] <= goal if key != "projection_8" else s[key] >= goal
         lines.append(f"| {label} | {s[key]:.2f}{'x' if key == 'projection_8' else ''} | "
                      f"{'>=' if key == 'projection_8' else '<='} {goal} | {'met' if met else 'missed'} |")
+    b = s["breakdown"]
+    lines += ["", f"Where the cold two-instance request's {med['cold_two']:.2f} s go (the router's phase timers; "
+              f"projected {b['segments_lpt_2'] + b['final_alone']:.2f} s):", "",
+              "| phase | measured (s) | projected from one instance's times (s) |", "| --- | ---: | ---: |",
+              f"| segments, both instances (publish-only requests, until written) | {b['segments_phase']:.3f} | "
+              f"{b['segments_lpt_2']:.3f} (LPT makespan on 2) |",
+              f"| the whole request on one instance | {b['final_phase']:.3f} | {b['final_alone']:.3f} (final step "
+              "alone) |",
+              f"| beyond the router (one more HTTP hop) | {b['beyond_router']:.3f} | 0 |"]
     times = ", ".join(f"{t:.2f}" for t in s["segment_median_s"])
     lines += ["", f"Projection from the measured segment times (s, medians: {times}) and the final step "
               f"({med['final_s']:.2f} s), LPT schedule; HYPIC reports {HYPIC_8}x at 8 instances:", "",

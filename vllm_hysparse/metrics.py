@@ -88,6 +88,8 @@ class PagesPerQueryStats:
         self._totals: torch.Tensor | None = None  # [len(FIELDS)] int64 on the kernels' device
         self._pic: dict[str, int] = {}  # host values: PIC counters and store state
         self._lock = threading.Lock()
+        self._write_lock = threading.Lock()
+        self._host_totals = [0] * len(FIELDS)  # the device totals as last read
         self._dirty = False
         self.enabled = metrics_enabled()
         directory = os.environ.get(METRICS_DIR_ENV)
@@ -108,26 +110,39 @@ class PagesPerQueryStats:
         self._totals.add_(step)
         self._dirty = True
 
-    def set_pic(self, values: dict[str, int]) -> None:
-        """The PIC engine's current counters and store statistics (host ints, once per PIC step)."""
+    def set_pic(self, values: dict[str, int], flush: bool = False) -> None:
+        """The PIC engine's current counters and store statistics (host ints, once per PIC step).
+
+        `flush` writes the file now instead of within 0.2 s: a publish-only request is answered once the
+        segments it queued for the shared tier are written, which the API server reads from this file.
+        """
         if not self.enabled:
             return
         with self._lock:
             self._pic = dict(values)
         self._dirty = True
+        if flush:
+            self.publish(read_device=False)
 
-    def totals(self) -> dict[str, int]:
-        """The counters on the host (waits for the device: call off the hot path)."""
+    def totals(self, read_device: bool = True) -> dict[str, int]:
+        """The counters on the host (waits for the device: call off the hot path). Without `read_device`, the
+        pages counters are the ones last read, so a step's flush never waits for the device."""
         with self._lock:
-            values = [0] * len(FIELDS) if self._totals is None else self._totals.tolist()
+            if read_device:
+                self._host_totals = [0] * len(FIELDS) if self._totals is None else self._totals.tolist()
+            values = self._host_totals
             pic = {f"pic_{k}": int(v) for k, v in self._pic.items()}
         return {**dict(zip(FIELDS, values)), **pic}
 
-    def publish(self) -> None:
+    def publish(self, read_device: bool = True) -> None:
         if self._path is None:
             return
-        self._dirty = False
-        text = json.dumps(self.totals()).encode()
+        # One writer at a time, so the file never goes back to an older snapshot than one already written.
+        with self._write_lock:
+            self._dirty = False
+            self._write(json.dumps(self.totals(read_device)).encode())
+
+    def _write(self, text: bytes) -> None:
         tmp = None
         try:
             # A fresh, exclusively created temporary file (never an existing name, never through a link), then an

@@ -18,7 +18,7 @@ def test_segment_requests_cover_the_reusable_segments_longest_first():
     for job in jobs:
         n = job["vllm_xargs"]["pic_segments"][1]
         assert job["prompt"] == [prompt[0], *prompt[starts[n]:starts[n] + n], prompt[-1]]
-        assert job["cache_salt"] == "tenant" and job["max_tokens"] == 1 and job["vllm_xargs"]["pic_seam_tokens"] == 4
+        assert job["cache_salt"] == "tenant" and job["max_tokens"] == 0 and job["vllm_xargs"]["pic_seam_tokens"] == 4
 
 
 @pytest.mark.parametrize("body", [

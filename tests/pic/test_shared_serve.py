@@ -27,6 +27,7 @@ from vllm_hysparse.tools.make_checkpoint import write_checkpoint
 SEED = int(os.environ.get("HYSPARSE_SHARED_SEED", random.SystemRandom().randrange(2**31)))
 SEAM = 4
 MAX_TOKENS = 4
+PAUSE_MS = 1500  # below the tier's 2 s Redis timeout
 
 
 class DirectoryEntries:
@@ -195,6 +196,43 @@ def test_salted_entries_are_found_only_with_their_salt(setup):
     assert gained["shared_hits"] == 2 and gained["segments_cold"] == 0
 
 
+def test_publish_only_request_answers_once_its_segments_are_written(setup):
+    """`max_tokens` 0: no text, and the tier holds every segment by the time the answer arrives."""
+    a, b, shared, _ = setup
+    rng = random.Random(SEED + 5)
+    prefix, g1, g2, g3, query = _docs(rng, 5)
+    parts = [prefix, g1, g2, g3, query]
+    model = requests.get(f"{a.base_url}/models", timeout=30).json()["data"][0]["id"]
+    body = {"model": model, "prompt": [t for p in parts for t in p], "max_tokens": 0,
+            "vllm_xargs": {"pic_segments": [len(p) for p in parts], "pic_seam_tokens": SEAM}}
+    keys_before = shared.keys()
+    if isinstance(shared, RedisEntries):  # Redis holds every write for 1.5 s: the answer must wait for them
+        shared.client.execute_command("CLIENT", "PAUSE", PAUSE_MS, "WRITE")
+    t0 = time.monotonic()
+    r = requests.post(f"{a.base_url}/completions", json=body, timeout=120)
+    waited = time.monotonic() - t0
+    assert r.status_code == 200, r.text
+    new = shared.keys() - keys_before  # read at once: the answer waited for the writes
+    assert len(new) == 3, (len(new), r.headers, waited)
+    assert waited >= PAUSE_MS / 1000 * 0.9 or isinstance(shared, DirectoryEntries)
+    assert r.headers["x-hysparse-pic-published"] == "1"
+    (choice,) = r.json()["choices"]
+    assert choice["text"] == "" and r.json()["usage"]["completion_tokens"] == 0
+    # Instance B finds all three, and answers as A does from its own store.
+    before_b = _counters(b)
+    on_b = _pic(b, [prefix, g2, g3, g1, query])
+    gained = _gained(b, before_b, segments=3)
+    assert gained["shared_hits"] == 3 and gained["segments_cold"] == 0, gained
+    assert _same(on_b, _pic(a, [prefix, g2, g3, g1, query]))
+    # What a publish-only request cannot show is refused, naming the field; a plain max_tokens 0 stays vLLM's 400.
+    for field, value in (("stream", True), ("logprobs", 2), ("echo", True), ("n", 2)):
+        bad = requests.post(f"{a.base_url}/completions", json={**body, field: value}, timeout=60)
+        assert bad.status_code == 400 and field in bad.json()["error"]["message"], (field, bad.text)
+    plain = requests.post(f"{a.base_url}/completions", json={"model": model, "prompt": [5, 6, 7],
+                                                              "max_tokens": 0}, timeout=60)
+    assert plain.status_code == 400 and "max_tokens" in plain.text, plain.text
+
+
 def test_bad_settings_are_refused_at_engine_start(monkeypatch, tmp_path):
     """Needs no server (the config hook refuses before any worker starts): runs once, not per tier."""
     from pydantic import ValidationError
@@ -211,19 +249,17 @@ def test_bad_settings_are_refused_at_engine_start(monkeypatch, tmp_path):
 # ---- the router (directory tier only: the tier is the same interface) ------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def router(setup):
-    """`python -m vllm_hysparse.pic.router` in front of both instances; yields its base URL."""
+@contextlib.contextmanager
+def _running_router(log, *backends):
+    """`python -m vllm_hysparse.pic.router --backends ...`; yields (its base URL, its log)."""
     import subprocess
     import sys
 
     from vllm_hysparse.tools.harness import free_port, wait_until_healthy
 
-    a, b, *_ = setup
     port = free_port()
-    log = a.log.parent / "router.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "vllm_hysparse.pic.router", "--backends", a.root, b.root,
+        proc = subprocess.Popen([sys.executable, "-m", "vllm_hysparse.pic.router", "--backends", *backends,
                                  "--port", str(port)], stdout=out, stderr=subprocess.STDOUT)
     try:
         wait_until_healthy(f"http://127.0.0.1:{port}", 60, proc=proc, log_tail=lambda: log.read_text()[-3000:])
@@ -231,6 +267,14 @@ def router(setup):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def router(setup):
+    """The router in front of both instances."""
+    a, b, *_ = setup
+    with _running_router(a.log.parent / "router.log", a.root, b.root) as running:
+        yield running
 
 
 def _kill_with_children(proc) -> None:
@@ -276,6 +320,50 @@ def test_router_spreads_cold_segments_and_answers_as_one_instance(setup, router)
     assert _same(got, _pic(a, parts))
     text = requests.get(f"{router[0]}/metrics", timeout=30).text
     assert f"vllm:hysparse_pic_router_segment_requests_total {len(docs)}" in text, text
+    phases = {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("vllm:hysparse_pic_router_phase_seconds_total{")}
+    assert 0 < phases["segments"] < phases["request"], phases
+
+
+def _engine_counter(server, name: str) -> dict[str, float]:
+    """vLLM's `name` per DP engine (`engine` label), summed over its other labels."""
+    out = {}
+    for line in requests.get(f"{server.root}/metrics", timeout=30).text.splitlines():
+        if line.startswith(name + "{") and 'engine="' in line:
+            engine = line.split('engine="', 1)[1].split('"', 1)[0]
+            out[engine] = out.get(engine, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+@pytest.mark.parametrize("setup", ["directory"], indirect=True)
+def test_data_parallel_engines_split_cold_segments(setup):
+    """vLLM's own `--data-parallel-size 2` behind the router as one backend: its load balancer spreads the
+    publish-only segment requests over both engines, which share the tier; the answer is one instance's. (With
+    several API servers vLLM serves /metrics from Prometheus' multiprocess files, without the HySparse counters,
+    so vLLM's own per-engine counters show the spread.)"""
+    a, _, shared, ckpt = setup
+    rng = random.Random(SEED + 6)
+    prefix, *docs, query = _docs(rng, 6)
+    parts = [prefix, *docs, query]
+    env = {SHARED_ENV: str(shared.root), SHARED_MB_ENV: "64"}
+    args = ("--enforce-eager", "--max-model-len", "1024", "--block-size", "32", "--data-parallel-size", "2")
+    keys_before = shared.keys()
+    with serve(ckpt, a.log.parent / "dp.log", *args, env=env) as dp, \
+            _running_router(a.log.parent / "router-dp.log", dp.root) as (router_url, _):
+        tokens_before = _engine_counter(dp, "vllm:prompt_tokens_total")
+        requests_before = _engine_counter(dp, "vllm:request_success_total")
+        got = _pic(_Via(router_url), parts)
+        tokens = _engine_counter(dp, "vllm:prompt_tokens_total")
+        finished = _engine_counter(dp, "vllm:request_success_total")
+    # Every document was published once (publish-only requests answer after the write), by both engines.
+    assert len(shared.keys() - keys_before) == len(docs)
+    spread = {e: tokens[e] - tokens_before.get(e, 0) for e in tokens}
+    assert len(spread) == 2 and all(v > 0 for v in spread.values()), spread  # both engines prefilled some
+    done = sum(finished.values()) - sum(requests_before.values())
+    assert done == len(docs) + 1, finished  # the segment requests and the whole request, nothing retried
+    # The whole request ran on one engine, which found the other's documents in the tier: the tokens of one
+    # instance that computed everything itself.
+    assert _same(got, _pic(a, parts))
 
 
 @pytest.mark.parametrize("setup", ["directory"], indirect=True)

@@ -26,14 +26,27 @@ case, it leaves requests that fail the API-key check untouched, so vLLM's
 authentication still answers them with 401 and nothing is tokenized for them.
 It passes every request through untouched unless the served model is
 HySparse / HySparse2 and the request is a POST to `/v1/completions` whose body
-mentions `pic_text_segments`.
+mentions `pic_text_segments`, or is a PIC request with `max_tokens` 0: a
+publish-only request (`vllm_hysparse.pic.publish`), whose answer it holds until
+the segments are written to the shared tier and returns without generated text.
 """
 
 import json
+import os
 
+from vllm_hysparse.metrics import METRICS_DIR_ENV
 from vllm_hysparse.pic.client import TEXT_SEGMENTS_FIELD, pic_prompt
 from vllm_hysparse.pic.frontend import is_pic_model
 from vllm_hysparse.pic.layout import SEGMENTS_FIELD
+from vllm_hysparse.pic.publish import (
+    PUBLISHED_HEADER,
+    PublishOnlyError,
+    engine_request,
+    is_publish_only,
+    shared_counts,
+    strip_generation,
+    wait_published,
+)
 from vllm_hysparse.vllm_glue.launcher import (
     add_api_server_middleware,
     request_authorized,
@@ -45,7 +58,7 @@ from vllm_hysparse.vllm_glue.launcher import (
 
 COMPLETIONS_PATH = "/v1/completions"
 _HOOK_FLAG = "_hysparse_pic_middleware"
-_MARKER = TEXT_SEGMENTS_FIELD.encode()
+_MARKER = b"pic_"  # in every PIC body: pic_segments or pic_text_segments
 
 
 class PICTextError(ValueError):
@@ -125,28 +138,61 @@ class PICTextMiddleware:
             chunks.append(message.get("body", b""))
             more = message.get("more_body", False)
         body = b"".join(chunks)
-        if _MARKER in body:
-            try:
-                data = json.loads(body)
-            except (ValueError, RecursionError):
-                data = None  # vLLM answers malformed (or too deeply nested) JSON itself
-            try:
+        if _MARKER not in body:
+            return await self.app(scope, _replay(body, receive), send)
+        try:
+            data = json.loads(body)
+        except (ValueError, RecursionError):
+            data = None  # vLLM answers malformed (or too deeply nested) JSON itself
+        new = None
+        try:
+            if TEXT_SEGMENTS_FIELD.encode() in body:
                 import anyio
 
                 tokenizer = served_tokenizer(state)
                 max_len = getattr(served_vllm_config(state).model_config, "max_model_len", None)
                 new = await anyio.to_thread.run_sync(rewrite_text_request, data, tokenizer, max_len)
-            except PICTextError as e:
-                return await validation_error_response(str(e), e.field)(scope, receive, send)
-            if new is not None:
-                try:
-                    body = json.dumps(new).encode()
-                except (ValueError, RecursionError):  # nested about as deep as json allows: leave it to vLLM
-                    new = None
-            if new is not None:
-                headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
-                scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
-        return await self.app(scope, _replay(body, receive), send)
+            publish_only = is_publish_only(new or data)
+            if publish_only:
+                new = engine_request(new or data)
+        except (PICTextError, PublishOnlyError) as e:
+            return await validation_error_response(str(e), e.field)(scope, receive, send)
+        if new is not None:
+            try:
+                body = json.dumps(new).encode()
+            except (ValueError, RecursionError):  # nested about as deep as json allows: leave it to vLLM
+                new, publish_only = None, False
+        if new is not None:
+            headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
+            scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
+        if not publish_only:
+            return await self.app(scope, _replay(body, receive), send)
+        return await self._publish_only(scope, _replay(body, receive), send)
+
+    async def _publish_only(self, scope, receive, send):
+        """Run the one-token request, hold its answer until the segments it queued are written, strip the token."""
+        directory = os.environ.get(METRICS_DIR_ENV)
+        failures_before = shared_counts(directory)[2]
+        start, parts = None, []
+
+        async def capture(message):
+            nonlocal start
+            if message["type"] == "http.response.start":
+                start = message
+            elif message["type"] == "http.response.body":
+                parts.append(message.get("body", b""))
+
+        await self.app(scope, receive, capture)
+        if start is None:
+            return
+        body, headers = b"".join(parts), list(start.get("headers", []))
+        if start["status"] == 200:
+            published = await wait_published(directory, failures_before)
+            body = strip_generation(body)
+            headers = [(k, v) for k, v in headers if k.lower() != b"content-length"]
+            headers += [(b"content-length", str(len(body)).encode()), (PUBLISHED_HEADER, published)]
+        await send({**start, "headers": headers})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 def _replay(body: bytes, receive, pending=None):

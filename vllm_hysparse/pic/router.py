@@ -6,19 +6,18 @@
 It speaks the OpenAI API. A PIC completion (`vllm_xargs.pic_segments` over a token-id prompt) is served in two
 phases:
 1. **Segments.** Each reusable segment (a middle one, longer than the seam) goes, longest first, to the backend
-   with the least work assigned (HYPIC's LPT schedule), as a small PIC request of its own:
-   `[first prompt token] + segment + [last prompt token]`, one output token, the request's `cache_salt` kept.
-   A backend that holds the segment already (its store or the shared tier) answers at once; one that does not
-   computes it in isolation and publishes it to the shared tier.
-2. **The request** goes whole to the backend that computed the most segment tokens (they are in its own store),
-   once every other backend used has written what it queued (`vllm:hysparse_pic_shared_published_total` and
-   `..._publish_failures_total` reach `..._shared_queued_total`); it finds the rest in the shared tier, and its
-   answer (streamed or not) is passed back.
+   with the least work assigned (HYPIC's LPT schedule), as a publish-only PIC request of its own
+   (`vllm_hysparse.pic.publish`): `[first prompt token] + segment + [last prompt token]`, `max_tokens` 0, the
+   request's `cache_salt` kept. A backend that holds the segment already (its store or the shared tier) answers
+   at once; one that does not computes it in isolation and answers once it has written it to the shared tier.
+2. **The request** goes whole to the backend that computed the most segment tokens (they are in its own store);
+   it finds the rest in the shared tier, and its answer (streamed or not) is passed back.
 
 Everything else (plain completions, chat, `/v1/models`, streaming) is passed to the least-loaded backend.
-`/health` is the router's own (healthy while one backend is), and `/metrics` gives the router's queue depth
-and per-backend load (`vllm:hysparse_pic_router_*`). A backend that fails (connection refused or dropped
-before its answer began) is marked down for `DOWN_S` and its work goes to another one.
+`/health` is the router's own (healthy while one backend is), and `/metrics` gives the router's queue depth,
+per-backend load and the time PIC requests spent in each phase (`vllm:hysparse_pic_router_*`). A backend that
+fails (connection refused or dropped before its answer began) is marked down for `DOWN_S` and its work goes to
+another one.
 
 Without a shared tier on the backends the router still balances load; the segments phase then only warms the
 backends it ran on.
@@ -31,14 +30,13 @@ import json
 import logging
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vllm_hysparse.pic.layout import DEFAULT_SEAM, SEAM_FIELD, SEGMENTS_FIELD
 
 logger = logging.getLogger("vllm.hysparse.router")
 
 DOWN_S = 10.0
-PUBLISH_WAIT_S = 60.0
 _HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "accept-encoding"}
 
 
@@ -65,6 +63,10 @@ class Router:
     queue_depth: int = 0  # PIC requests in their segments phase
     segment_requests: int = 0
     retries: int = 0
+    # Seconds PIC requests spent in each phase (segments: until every segment request was answered, i.e. written
+    # to the shared tier; request: the whole request, until its answer began), and how many went through them.
+    phase_seconds: dict = field(default_factory=lambda: {"segments": 0.0, "request": 0.0})
+    pic_requests: int = 0
 
     def pick(self, exclude=()) -> Backend:
         """The backend with the least work, among those up (all of them if none is)."""
@@ -108,21 +110,13 @@ def segment_jobs(body: dict) -> list[dict]:
     for n in segments[1:-1]:
         if isinstance(seam, int) and n > seam:
             job = {"model": body.get("model"), "prompt": [prompt[0], *prompt[start:start + n], prompt[-1]],
-                   "max_tokens": 1, "temperature": 0,
+                   "max_tokens": 0,
                    "vllm_xargs": {SEGMENTS_FIELD: [1, n, 1], SEAM_FIELD: seam}}
             if body.get("cache_salt") is not None:
                 job["cache_salt"] = body["cache_salt"]
             jobs.append(job)
         start += n
     return sorted(jobs, key=lambda j: -len(j["prompt"]))
-
-
-def _counter(text: str, name: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def build_app(router: Router, headers_for_backends: dict | None = None):
@@ -138,24 +132,6 @@ def build_app(router: Router, headers_for_backends: dict | None = None):
 
     def forward_headers(request) -> dict:
         return {**{k: v for k, v in request.headers.items() if k.lower() not in _HOP}, **extra_headers}
-
-    async def drained(backend: Backend) -> None:
-        """Wait until `backend` has written every segment it queued for the shared tier (or until the deadline)."""
-        await asyncio.sleep(0.25)  # its worker publishes counters within 0.2 s of a change
-        deadline = time.monotonic() + PUBLISH_WAIT_S
-        target = None
-        while time.monotonic() < deadline:
-            try:
-                text = (await client.get(f"{backend.url}/metrics", headers=extra_headers)).text
-            except httpx.HTTPError:
-                return
-            done = _counter(text, "vllm:hysparse_pic_shared_published_total") + \
-                _counter(text, "vllm:hysparse_pic_shared_publish_failures_total")
-            target = _counter(text, "vllm:hysparse_pic_shared_queued_total") if target is None else target
-            if done >= target:
-                return
-            await asyncio.sleep(0.02)
-        logger.warning("backend %s did not publish its segments within %.0f s", backend.url, PUBLISH_WAIT_S)
 
     async def run_segment(job: dict, headers: dict) -> Backend | None:
         """Send one segment request, retrying on other backends; returns the backend that answered."""
@@ -189,14 +165,16 @@ def build_app(router: Router, headers_for_backends: dict | None = None):
         try:
             # Longest first onto the least-loaded backend: pick() counts each backend's assigned tokens, and
             # the tasks start in order, so each job sees the ones before it.
+            # Each answers once its segment is in the shared tier (a publish-only request).
+            t0 = time.monotonic()
             used = await asyncio.gather(*(run_segment(job, headers) for job in jobs))
+            router.phase_seconds["segments"] += time.monotonic() - t0
+            router.pic_requests += 1
             tokens: dict[Backend, int] = {}
             for backend, job in zip(used, jobs):
                 if backend is not None:
                     tokens[backend] = tokens.get(backend, 0) + len(job["prompt"])
-            final = max(tokens, key=tokens.get, default=None)
-            await asyncio.gather(*(drained(b) for b in tokens if b is not final))
-            return final
+            return max(tokens, key=tokens.get, default=None)
         finally:
             router.queue_depth -= 1
 
@@ -240,10 +218,13 @@ def build_app(router: Router, headers_for_backends: dict | None = None):
             parsed = json.loads(body)
         except ValueError:
             parsed = None
-        prefer = None
-        if isinstance(parsed, dict) and segment_jobs(parsed):
-            prefer = await prefill_segments(parsed, forward_headers(request))
-        return await proxy(request, body, "/v1/completions", prefer)
+        if not (isinstance(parsed, dict) and segment_jobs(parsed)):
+            return await proxy(request, body, "/v1/completions")
+        t0 = time.monotonic()
+        prefer = await prefill_segments(parsed, forward_headers(request))
+        answer = await proxy(request, body, "/v1/completions", prefer)
+        router.phase_seconds["request"] += time.monotonic() - t0
+        return answer
 
     async def passthrough(request: Request):
         return await proxy(request, await request.body(), request.url.path)
@@ -265,6 +246,11 @@ def build_app(router: Router, headers_for_backends: dict | None = None):
             f"vllm:hysparse_pic_router_segment_requests_total {router.segment_requests}",
             "# TYPE vllm:hysparse_pic_router_retries_total counter",
             f"vllm:hysparse_pic_router_retries_total {router.retries}",
+            "# TYPE vllm:hysparse_pic_router_pic_requests_total counter",
+            f"vllm:hysparse_pic_router_pic_requests_total {router.pic_requests}",
+            "# TYPE vllm:hysparse_pic_router_phase_seconds_total counter",
+            *(f'vllm:hysparse_pic_router_phase_seconds_total{{phase="{phase}"}} {seconds:.6f}'
+              for phase, seconds in router.phase_seconds.items()),
             "# TYPE vllm:hysparse_pic_router_backend_in_flight gauge",
             *(f'vllm:hysparse_pic_router_backend_in_flight{{backend="{b.url}"}} {b.in_flight}'
               for b in router.backends),

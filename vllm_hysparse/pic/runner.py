@@ -124,7 +124,7 @@ class PICEngine:
         self.fingerprint = model_fingerprint(model, runner.model_config.hf_config, runner.model_config.dtype)
         self.shared = open_shared_tier()  # the config hook has checked the setting at engine start
         if self.shared is not None:
-            self.publisher = Publisher(self.shared, self.counters, on_change=self.publish)
+            self.publisher = Publisher(self.shared, self.counters, on_change=lambda: self.publish(flush=True))
         self._ready = True
 
     def release(self, req_ids) -> None:
@@ -133,9 +133,10 @@ class PICEngine:
             self.store.release(rid)
         self.publish()
 
-    def publish(self) -> None:
-        """Counters and store state to `/metrics` (host ints; the publisher thread writes them)."""
-        worker_stats().set_pic({**self.counters, **self.store.stats()})
+    def publish(self, flush: bool = False) -> None:
+        """Counters and store state to `/metrics` (host ints; the metrics thread writes them within 0.2 s, or now
+        with `flush`: the shared-tier counters, which a publish-only request waits on, are flushed as they move)."""
+        worker_stats().set_pic({**self.counters, **self.store.stats()}, flush=flush)
 
     def admit(self, runner, rid: str, params, prompt_token_ids) -> None:
         """A request entering the batch (new, or resumed after preemption): keep its layout if it has one."""
@@ -395,6 +396,8 @@ class PICEngine:
             if self.publisher is not None:  # written by the publisher's thread, off this step
                 self.counters["shared_queued"] += 1
                 self.publisher.submit(key, self.fingerprint, pool, ids, kv)
+        if self.publisher is not None and segments:
+            self.publish(flush=True)  # the queued count is on file before this step's outputs leave the worker
 
     def _stored_rows(self, name: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(K, V, first offset) a layer keeps of a segment.
