@@ -25,8 +25,12 @@ for a in "${ARCHS[@]}"; do
   # base_config.json) is converted again.
   plan=()
   [ -f "$delta/plan.json" ] && plan=(--plan "$delta/plan.json")
+  # The window is the one the delta was trained with (docs/recovery.md, "windows"): a converter option, which
+  # wins over the plan's.
+  window="$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["swa_window"])' "$delta/base_config.json")"
   if ! cmp -s "$base/config.json" "$delta/base_config.json"; then
-    "$PY" -m vllm_hysparse.tools.convert --src "$TEACHER" --dst "$base" --arch "$a" "${plan[@]}" --force
+    "$PY" -m vllm_hysparse.tools.convert --src "$TEACHER" --dst "$base" --arch "$a" "${plan[@]}" \
+      --swa-window "$window" --force
   fi
   out="$CHECKPOINTS/smollm2-$a-recovered"
   # Rebuilt only when the committed delta changed since the last build (its digest beside the checkpoint).
