@@ -33,6 +33,7 @@ the segments are written to the shared tier and returns without generated text.
 
 import json
 import os
+import re
 
 from vllm_hysparse.metrics import METRICS_DIR_ENV
 from vllm_hysparse.pic.client import TEXT_SEGMENTS_FIELD, pic_prompt
@@ -58,7 +59,10 @@ from vllm_hysparse.vllm_glue.launcher import (
 
 COMPLETIONS_PATH = "/v1/completions"
 _HOOK_FLAG = "_hysparse_pic_middleware"
-_MARKER = b"pic_"  # in every PIC body: pic_segments or pic_text_segments
+_MARKER = TEXT_SEGMENTS_FIELD.encode()
+# A body that may ask for max_tokens 0: the only other PIC bodies this middleware must parse (a token-id PIC
+# request can be long, and vLLM parses it again).
+_MAX_TOKENS_ZERO = re.compile(rb'"max_tokens"\s*:\s*0(?![\d.eE])')
 
 
 class PICTextError(ValueError):
@@ -138,7 +142,7 @@ class PICTextMiddleware:
             chunks.append(message.get("body", b""))
             more = message.get("more_body", False)
         body = b"".join(chunks)
-        if _MARKER not in body:
+        if _MARKER not in body and not _MAX_TOKENS_ZERO.search(body):
             return await self.app(scope, _replay(body, receive), send)
         try:
             data = json.loads(body)
@@ -146,7 +150,7 @@ class PICTextMiddleware:
             data = None  # vLLM answers malformed (or too deeply nested) JSON itself
         new = None
         try:
-            if TEXT_SEGMENTS_FIELD.encode() in body:
+            if _MARKER in body:
                 import anyio
 
                 tokenizer = served_tokenizer(state)

@@ -156,8 +156,8 @@ def build_app(router: Router, headers_for_backends: dict | None = None):
         return None
 
     async def prefill_segments(body: dict, headers: dict) -> Backend | None:
-        """Run the segment requests; returns the backend that computed the most segment tokens, which runs the
-        whole request: it holds those segments in its own store, so only the others' writes are waited for."""
+        """Run the segment requests (each answered once its segment is in the shared tier); returns the backend
+        that computed the most segment tokens, which runs the whole request: it holds those in its own store."""
         jobs = segment_jobs(body)
         if not jobs:
             return None
@@ -165,7 +165,6 @@ def build_app(router: Router, headers_for_backends: dict | None = None):
         try:
             # Longest first onto the least-loaded backend: pick() counts each backend's assigned tokens, and
             # the tasks start in order, so each job sees the ones before it.
-            # Each answers once its segment is in the shared tier (a publish-only request).
             t0 = time.monotonic()
             used = await asyncio.gather(*(run_segment(job, headers) for job in jobs))
             router.phase_seconds["segments"] += time.monotonic() - t0
