@@ -178,11 +178,27 @@ def check_interrupted(tool: str, sig: int, results: list[dict]) -> None:
     assert staged >= 1, f"seed {SEED}: no {signal.Signals(sig).name} reached {tool} while it staged its output"
 
 
-def _moments(name: str, n_files: int, staged: int, early: Moment) -> list[Moment]:
-    """`staged` random moments while the temporary directory fills (after a random number of its
-    `n_files` entries, plus up to 50 ms), then `early`, before anything is written."""
+# A staged moment that comes too late (the tool finished writing first) is drawn again, tighter, this often.
+STAGED_TRIES = 3
+
+
+def run_moments(name: str, n_files: int, staged: int, early: Moment, run_one) -> list[dict]:
+    """Run `run_one(i, moment) -> result` at `staged` random moments while the temporary directory fills
+    (after a random number of its `n_files` entries, plus up to 50 ms), then at `early`, before anything is
+    written. A staged run that finished before the signal is tried again with a shorter delay and fewer
+    files (a loaded machine writes a small output within the delay); `check_interrupted` still asserts
+    that one staged signal landed. Returns every result, the early one last."""
     rng = _rng(name)
-    return [Moment(rng.uniform(0.0, 0.05), files=rng.randint(1, n_files)) for _ in range(staged)] + [early]
+    results = []
+    for _ in range(staged):
+        moment = Moment(rng.uniform(0.0, 0.05), files=rng.randint(1, n_files))
+        for _ in range(STAGED_TRIES):
+            results.append(run_one(len(results), moment))
+            if results[-1]["rc"] != 0:
+                break
+            moment = Moment(moment.delay / 4, files=max(1, moment.files - 1))
+    results.append(run_one(len(results), early))
+    return results
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,10 +220,9 @@ def old_tiny(tmp_path_factory):
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
 def test_make_checkpoint_interrupted(tmp_path, old_tiny, sig):
-    outcomes, results = [], []
-    # 13 entries: config, 3 tokenizer files, generation config, 7 shards, index
-    moments = _moments(f"make-{sig}", 13, 2, Moment(_rng(f"make-early-{sig}").uniform(0.3, 1.5)))
-    for i, moment in enumerate(moments):
+    outcomes = []
+
+    def run_one(i: int, moment: Moment) -> dict:
         parent = tmp_path / f"run{i}"
         parent.mkdir()
         out = parent / "ckpt"
@@ -216,9 +231,12 @@ def test_make_checkpoint_interrupted(tmp_path, old_tiny, sig):
             shutil.copytree(old_tiny, out)
         result = run_interrupted([*MAKE_CMD, "--out", str(out), *(["--force"] if force else [])], out, sig,
                                  moment, log=tmp_path / f"run{i}.log")
-        results.append(result)
         outcomes.append(_summary(check_outcome(out, sig, result, old_hidden=128 if force else None,
-                                      new_hidden=NEW_HIDDEN), result))
+                                               new_hidden=NEW_HIDDEN), result))
+        return result
+
+    # 13 entries: config, 3 tokenizer files, generation config, 7 shards, index
+    results = run_moments(f"make-{sig}", 13, 2, Moment(_rng(f"make-early-{sig}").uniform(0.3, 1.5)), run_one)
     print(f"make_checkpoint {signal.Signals(sig).name} (seed {SEED}): {outcomes}")
     check_interrupted("make_checkpoint", sig, results)
 
@@ -248,10 +266,9 @@ CONVERT_CMD = [sys.executable, str(ROOT / "scripts" / "convert_checkpoint.py"), 
 def test_convert_interrupted(tmp_path, teacher, sig):
     old = tmp_path / "old"
     write_checkpoint(old, "hysparse", "tiny", seed=2)
-    outcomes, results = [], []
-    # config, 4 side files, 7 parts of 20 MB (renamed to shards at the end), index
-    moments = _moments(f"convert-{sig}", 12, 2, Moment(_rng(f"convert-early-{sig}").uniform(0.3, 1.5)))
-    for i, moment in enumerate(moments):
+    outcomes = []
+
+    def run_one(i: int, moment: Moment) -> dict:
         parent = tmp_path / f"run{i}"
         parent.mkdir()
         out = parent / "student"
@@ -261,9 +278,13 @@ def test_convert_interrupted(tmp_path, teacher, sig):
         result = run_interrupted([*CONVERT_CMD, "--src", str(teacher), "--dst", str(out),
                                   *(["--force"] if force else [])], out, sig, moment,
                                  log=tmp_path / f"run{i}.log")
-        results.append(result)
         outcomes.append(_summary(check_outcome(out, sig, result, old_hidden=128 if force else None,
-                                      new_hidden=TEACHER["hidden_size"]), result))
+                                               new_hidden=TEACHER["hidden_size"]), result))
+        return result
+
+    # config, 4 side files, 7 parts of 20 MB (renamed to shards at the end), index
+    results = run_moments(f"convert-{sig}", 12, 2, Moment(_rng(f"convert-early-{sig}").uniform(0.3, 1.5)),
+                          run_one)
     print(f"convert {signal.Signals(sig).name} (seed {SEED}): {outcomes}")
     check_interrupted("convert", sig, results)
 
@@ -291,10 +312,9 @@ def train_text(tmp_path_factory):
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
 def test_distill_interrupted(tmp_path, small_pair, train_text, sig):
     teacher, student = small_pair
-    outcomes, results = [], []
-    # config, generation config, weights, 3 tokenizer files; early: while it trains
-    moments = _moments(f"distill-{sig}", 6, 1, Moment(_rng(f"distill-early-{sig}").uniform(0.0, 0.3), log="distill:"))
-    for i, moment in enumerate(moments):
+    outcomes = []
+
+    def run_one(i: int, moment: Moment) -> dict:
         parent = tmp_path / f"run{i}"
         parent.mkdir()
         out = parent / "distilled"
@@ -302,8 +322,12 @@ def test_distill_interrupted(tmp_path, small_pair, train_text, sig):
                "--text", str(train_text), "--out", str(out), "--steps", "4", "--seq-len", "32",
                "--batch-size", "1", "--heldout-windows", "1"]
         result = run_interrupted(cmd, out, sig, moment, log=tmp_path / f"run{i}.log")
-        results.append(result)
         outcomes.append(_summary(check_outcome(out, sig, result, old_hidden=None,
                                                new_hidden=SMALL_TEACHER["hidden_size"]), result))
+        return result
+
+    # config, generation config, weights, 3 tokenizer files; early: while it trains
+    early = Moment(_rng(f"distill-early-{sig}").uniform(0.0, 0.3), log="distill:")
+    results = run_moments(f"distill-{sig}", 6, 1, early, run_one)
     print(f"distill {signal.Signals(sig).name} (seed {SEED}): {outcomes}")
     check_interrupted("distill", sig, results)
