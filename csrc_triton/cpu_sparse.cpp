@@ -65,8 +65,10 @@ struct SparseTask {
 
 struct TileScratch {
   std::vector<float> buf;
-  std::vector<uint32_t> who;   // per run: bit r set when row r selected it
-  std::vector<int64_t> keys;   // the union's positions, ascending
+  std::vector<uint32_t> who;      // per run: bit r set when row r selected it
+  std::vector<int64_t> keys;      // the union's positions, ascending
+  std::vector<uint32_t> masks;    // per key: its run's `who`
+  std::vector<const float*> kp;   // per key: its K in the pages (V follows at + DIM)
 };
 
 template <int DIM>
@@ -83,10 +85,31 @@ void sparse_tile(const SparseProblem& pb, const SparseTask& tk, TileScratch& sc)
     for (int64_t s = 0; s < pb.width; ++s)
       if (sel[s] >= 0 && sel[s] * pb.span <= pos[r]) sc.who[sel[s]] |= 1u << r;
   }
+  // The union's keys with their masks and page addresses, built once per tile. Positions ascend, so the page is
+  // advanced incrementally: an integer division per key (three, before) cost more than scoring it.
+  const int32_t* pages = pb.bt + pb.reqs[tk.row0] * pb.s_bt;
+  const float* base = pb.kv + tk.group * pb.s_group;
   sc.keys.clear();
-  for (int64_t b = 0; b < nb; ++b)
-    if (sc.who[b] != 0)
-      for (int64_t t = b * pb.span, stop = std::min((b + 1) * pb.span, last + 1); t < stop; ++t) sc.keys.push_back(t);
+  sc.masks.clear();
+  sc.kp.clear();
+  int64_t pg = 0, pg_start = 0;  // the page holding positions [pg_start, pg_start + page)
+  for (int64_t b = 0; b < nb; ++b) {
+    if (sc.who[b] == 0) continue;
+    const int64_t t0 = b * pb.span, stop = std::min((b + 1) * pb.span, last + 1);
+    if (t0 - pg_start >= pb.page) {
+      pg = t0 / pb.page;
+      pg_start = pg * pb.page;
+    }
+    for (int64_t t = t0; t < stop; ++t) {
+      if (t - pg_start == pb.page) {
+        ++pg;
+        pg_start += pb.page;
+      }
+      sc.keys.push_back(t);
+      sc.masks.push_back(sc.who[b]);
+      sc.kp.push_back(base + pages[pg] * pb.s_page + (t - pg_start) * pb.s_tok);
+    }
+  }
   const size_t need = 2 * nq * DIM + DIM * KEYS + nq * KEYS + nq * DIM + 2 * nq;
   if (sc.buf.size() < need) sc.buf.resize(need);
   float* qs = sc.buf.data();  // [nq, DIM] scaled queries
@@ -97,8 +120,6 @@ void sparse_tile(const SparseProblem& pb, const SparseTask& tk, TileScratch& sc)
   float* m = acc + nq * DIM;
   float* l = m + nq;
   int64_t act[TILE_ROWS * 64];  // those rows' query vectors (per_group <= 64)
-  uint32_t kmask[KEYS];
-  const float* kp[KEYS];
   const float* vp[KEYS];
   for (int64_t r = 0; r < tk.rows; ++r) {
     const float* src = pb.q + ((tk.row0 + r) * pb.heads + tk.group * per_group) * DIM;
@@ -107,15 +128,15 @@ void sparse_tile(const SparseProblem& pb, const SparseTask& tk, TileScratch& sc)
   std::fill(acc, acc + nq * DIM, 0.f);
   std::fill(m, m + nq, NEG_INF);
   std::fill(l, l + nq, 0.f);
-  const int32_t* pages = pb.bt + pb.reqs[tk.row0] * pb.s_bt;
-  const float* base = pb.kv + tk.group * pb.s_group;
   const uint32_t all = (1u << tk.rows) - 1;  // tk.rows <= TILE_ROWS < 32
   const int64_t total = static_cast<int64_t>(sc.keys.size());
   for (int64_t c0 = 0; c0 < total; c0 += KEYS) {
     const int64_t count = std::min(KEYS, total - c0);
     const int64_t* key = sc.keys.data() + c0;
+    const uint32_t* kmask = sc.masks.data() + c0;
+    const float* const* kp = sc.kp.data() + c0;
     uint32_t rows = 0;
-    for (int64_t j = 0; j < count; ++j) rows |= kmask[j] = sc.who[key[j] / pb.span];
+    for (int64_t j = 0; j < count; ++j) rows |= kmask[j];
     for (int64_t r = 0; r < tk.rows; ++r)
       if (pos[r] < key[0]) rows &= ~(1u << r);  // keys ascend: this row sees none of them
     if (rows == 0) continue;
@@ -128,10 +149,7 @@ void sparse_tile(const SparseProblem& pb, const SparseTask& tk, TileScratch& sc)
       for (int64_t a = 0; a < na; ++a) std::copy(qs + act[a] * DIM, qs + (act[a] + 1) * DIM, qc + a * DIM);
       qa = qc;
     }
-    for (int64_t j = 0; j < count; ++j) {
-      kp[j] = base + pages[key[j] / pb.page] * pb.s_page + (key[j] % pb.page) * pb.s_tok;
-      vp[j] = kp[j] + DIM;
-    }
+    for (int64_t j = 0; j < count; ++j) vp[j] = kp[j] + DIM;
     if (na <= DIRECT_MAX) {
       score_direct<DIM>(qa, na, kp, count, s);
     } else {
