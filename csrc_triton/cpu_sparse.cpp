@@ -161,19 +161,23 @@ void sparse_tile(const SparseProblem& pb, const SparseTask& tk, TileScratch& sc)
       const int64_t i = act[a], r = i / per_group;
       const uint32_t bit = 1u << r;
       float* si = s + a * KEYS;
-      float mt = m[i];
       bool any = false;
-      for (int64_t j = 0; j < count; ++j)
-        if ((kmask[j] & bit) && key[j] <= pos[r]) {
-          mt = std::max(mt, si[j]);
-          any = true;
-        }
-      if (!any) continue;
-      float sum = 0.f;
-      for (int64_t j = 0; j < count; ++j) {
-        si[j] = (kmask[j] & bit) && key[j] <= pos[r] ? std::exp(si[j] - mt) : 0.f;
-        sum += si[j];
+      float mt = m[i];
+      for (int64_t j = 0; j < KEYS; ++j) {
+        const bool seen = j < count && (kmask[j] & bit) && key[j] <= pos[r];
+        si[j] = seen ? si[j] : NEG_INF;
+        mt = std::max(mt, si[j]);
+        any |= seen;
       }
+      if (!any) continue;
+      // The whole tile at once, 8 exps per call (exp8 gives exactly 0 for the keys this row does not attend).
+      v8 total = splat(0.f);
+      for (int64_t j = 0; j < KEYS; j += 8) {
+        const v8 w = exp8(load8(si + j) - splat(mt));
+        store8(si + j, w);
+        total += w;
+      }
+      const float sum = hsum(total);
       online_step<DIM>(mt, sum, si, vp, count, m[i], l[i], acc + i * DIM);
     }
   }
