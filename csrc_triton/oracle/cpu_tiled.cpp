@@ -66,6 +66,7 @@ void run_task(const Problem& pb, const Task& tk, std::vector<float>& buf) {
   float* lim = u + nq * nb;  // each query vector's position, as a float index bound
   const float* kp[KEYS];
   const float* vp[KEYS];
+  int64_t kb[KEYS];  // each key's block
   for (int64_t r = 0; r < tk.rows; ++r) {
     const int64_t row = tk.row0 + r;
     for (int64_t p = 0; p < per_group; ++p) {
@@ -83,10 +84,15 @@ void run_task(const Problem& pb, const Task& tk, std::vector<float>& buf) {
   const float* base = pb.kv + tk.group * pb.s_group;
   for (int64_t k0 = 0; k0 < tk.keys; k0 += KEYS) {
     const int64_t count = std::min(KEYS, tk.keys - k0);
-    for (int64_t j = 0; j < count; ++j) {
-      const int64_t t = k0 + j;
-      kp[j] = base + pages[t / pb.page] * pb.s_page + (t % pb.page) * pb.s_tok;
+    // Keys, values and blocks of the tile, with two divisions per tile instead of two per key (and one per key
+    // and query vector for the blocks).
+    for (int64_t j = 0, pg = k0 / pb.page, off = k0 - pg * pb.page, b = k0 / pb.block, boff = k0 - b * pb.block;
+         j < count; ++j) {
+      kp[j] = base + pages[pg] * pb.s_page + off * pb.s_tok;
       vp[j] = kp[j] + DIM;
+      kb[j] = b;
+      if (++off == pb.page) off = 0, ++pg;
+      if (++boff == pb.block) boff = 0, ++b;
     }
     if (direct) {
       score_direct<DIM>(qs, nq, kp, count, s);
@@ -108,14 +114,16 @@ void run_task(const Problem& pb, const Task& tk, std::vector<float>& buf) {
       float mt = m[i];
       for (int64_t j = 0; j < visible; ++j) {
         mt = std::max(mt, si[j]);
-        const int64_t b = (k0 + j) / pb.block;
-        ui[b] = std::max(ui[b], si[j]);
+        ui[kb[j]] = std::max(ui[kb[j]], si[j]);
       }
-      float sum = 0.f;
-      for (int64_t j = 0; j < visible; ++j) {
-        si[j] = std::exp(si[j] - mt);
-        sum += si[j];
+      for (int64_t j = visible; j < KEYS; ++j) si[j] = NEG_INF;
+      v8 total = splat(0.f);  // the whole tile, 8 exps per call; exactly 0 past the row's position
+      for (int64_t j = 0; j < KEYS; j += 8) {
+        const v8 w = exp8(load8(si + j) - splat(mt));
+        store8(si + j, w);
+        total += w;
       }
+      const float sum = hsum(total);
       online_step<DIM>(mt, sum, si, vp, visible, m[i], l[i], acc + i * DIM);
     }
   }
