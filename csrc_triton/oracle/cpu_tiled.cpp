@@ -66,7 +66,7 @@ void run_task(const Problem& pb, const Task& tk, std::vector<float>& buf) {
   float* lim = u + nq * nb;  // each query vector's position, as a float index bound
   const float* kp[KEYS];
   const float* vp[KEYS];
-  int64_t kb[KEYS];  // each key's block
+  int64_t run_at[KEYS + 1], run_b[KEYS];
   for (int64_t r = 0; r < tk.rows; ++r) {
     const int64_t row = tk.row0 + r;
     for (int64_t p = 0; p < per_group; ++p) {
@@ -86,14 +86,16 @@ void run_task(const Problem& pb, const Task& tk, std::vector<float>& buf) {
     const int64_t count = std::min(KEYS, tk.keys - k0);
     // Keys, values and blocks of the tile, with two divisions per tile instead of two per key (and one per key
     // and query vector for the blocks).
+    int64_t nruns = 0;  // the tile's runs of keys in one block: keys [run_at[x], run_at[x + 1]) are in block run_b[x]
     for (int64_t j = 0, pg = k0 / pb.page, off = k0 - pg * pb.page, b = k0 / pb.block, boff = k0 - b * pb.block;
          j < count; ++j) {
       kp[j] = base + pages[pg] * pb.s_page + off * pb.s_tok;
       vp[j] = kp[j] + DIM;
-      kb[j] = b;
+      if (j == 0 || boff == 0) run_at[nruns] = j, run_b[nruns++] = b;
       if (++off == pb.page) off = 0, ++pg;
       if (++boff == pb.block) boff = 0, ++b;
     }
+    run_at[nruns] = count;
     if (direct) {
       score_direct<DIM>(qs, nq, kp, count, s);
     } else {
@@ -111,12 +113,18 @@ void run_task(const Problem& pb, const Task& tk, std::vector<float>& buf) {
       if (visible <= 0) continue;  // every key of the tile is past this row
       float* si = s + i * KEYS;
       float* ui = u + i * nb;
-      float mt = m[i];
-      for (int64_t j = 0; j < visible; ++j) {
-        mt = std::max(mt, si[j]);
-        ui[kb[j]] = std::max(ui[kb[j]], si[j]);
-      }
+      // Each block's running maximum, a run at a time in a register: one store per run, not a dependent
+      // load and store per key (that chain took a third of a prefill tile).
       for (int64_t j = visible; j < KEYS; ++j) si[j] = NEG_INF;
+      float mt = m[i];
+      for (int64_t x = 0; x < nruns && run_at[x] < visible; ++x) {
+        float mb = NEG_INF;
+        const int64_t stop = run_at[x + 1];
+#pragma omp simd reduction(max : mb)
+        for (int64_t j = run_at[x]; j < stop; ++j) mb = si[j] > mb ? si[j] : mb;
+        ui[run_b[x]] = std::max(ui[run_b[x]], mb);
+        mt = std::max(mt, mb);
+      }
       v8 total = splat(0.f);  // the whole tile, 8 exps per call; exactly 0 past the row's position
       for (int64_t j = 0; j < KEYS; j += 8) {
         const v8 w = exp8(load8(si + j) - splat(mt));
