@@ -133,17 +133,57 @@ inline void accumulate(float* acc, const float* p, const float* const* vp, int64
   }
 }
 
+// acc[q] [DIM] += sum_j p[q][j] * V_j for NQ query vectors at once over the same `count` keys: each V vector is
+// loaded once for all of them (one query at a time loads a V vector per FMA, which bounds a prefill tile).
+template <int DIM, int NQ>
+inline void accumulate_n(float* const* acc, const float* const* p, const float* const* vp, int64_t count) {
+  for (int d0 = 0; d0 < DIM; d0 += 32) {
+    const int nv = std::min(4, (DIM - d0) / 8);
+    v8 a[NQ][4];
+    for (int q = 0; q < NQ; ++q)
+      for (int c = 0; c < 4; ++c) a[q][c] = c < nv ? load8(acc[q] + d0 + 8 * c) : splat(0.f);
+    for (int64_t j = 0; j < count; ++j) {
+      v8 v[4];
+      for (int c = 0; c < 4; ++c) v[c] = c < nv ? load8(vp[j] + d0 + 8 * c) : splat(0.f);
+      for (int q = 0; q < NQ; ++q) {
+        const v8 w = splat(p[q][j]);
+        for (int c = 0; c < 4; ++c)
+          if (c < nv) a[q][c] += w * v[c];
+      }
+    }
+    for (int q = 0; q < NQ; ++q)
+      for (int c = 0; c < nv; ++c) store8(acc[q] + d0 + 8 * c, a[q][c]);
+  }
+}
+
+// `accumulate_n` over any number of query vectors, 4 at a time.
+template <int DIM>
+inline void accumulate_many(float* const* acc, const float* const* p, int64_t nq, const float* const* vp,
+                            int64_t count) {
+  int64_t i = 0;
+  for (; i + 4 <= nq; i += 4) accumulate_n<DIM, 4>(acc + i, p + i, vp, count);
+  for (; i + 2 <= nq; i += 2) accumulate_n<DIM, 2>(acc + i, p + i, vp, count);
+  if (i < nq) accumulate_n<DIM, 1>(acc + i, p + i, vp, count);
+}
+
+// The online-softmax bookkeeping of a query vector before its weighted values are added: the running sum l
+// and accumulator acc [DIM] rescaled from the old max m to the new one mt, plus the tile's `sum`.
+template <int DIM>
+inline void online_rescale(float mt, float sum, float& m, float& l, float* acc) {
+  const float rescale = std::exp(m - mt);  // 0 while nothing was seen (m = -inf)
+  l = l * rescale + sum;
+  m = mt;
+  if (rescale != 1.f)
+    for (int d = 0; d < DIM; ++d) acc[d] *= rescale;
+}
+
 // One online-softmax step of a query vector: `w` [count] holds exp(z - mt) for the keys it attends (0 for the
 // others), `sum` their total and `mt` the new running max. Rescales the running sum l and accumulator acc [DIM]
 // from the old max m, then adds the weighted values.
 template <int DIM>
 inline void online_step(float mt, float sum, const float* w, const float* const* vp, int64_t count, float& m, float& l,
                         float* acc) {
-  const float rescale = std::exp(m - mt);  // 0 while nothing was seen (m = -inf)
-  l = l * rescale + sum;
-  m = mt;
-  if (rescale != 1.f)
-    for (int d = 0; d < DIM; ++d) acc[d] *= rescale;
+  online_rescale<DIM>(mt, sum, m, l, acc);
   accumulate<DIM>(acc, w, vp, count);
 }
 

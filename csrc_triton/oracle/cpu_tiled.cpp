@@ -67,6 +67,8 @@ void run_task(const Problem& pb, const Task& tk, std::vector<float>& buf) {
   const float* kp[KEYS];
   const float* vp[KEYS];
   int64_t run_at[KEYS + 1], run_b[KEYS];
+  std::vector<float*> acc_of(nq);  // the query vectors a tile of keys concerns: accumulators and weights
+  std::vector<const float*> w_of(nq);
   for (int64_t r = 0; r < tk.rows; ++r) {
     const int64_t row = tk.row0 + r;
     for (int64_t p = 0; p < per_group; ++p) {
@@ -108,6 +110,7 @@ void run_task(const Problem& pb, const Task& tk, std::vector<float>& buf) {
       }
       score_tiled<DIM>(qs, nq, kt, s);
     }
+    int64_t na = 0;
     for (int64_t i = 0; i < nq; ++i) {
       const int64_t visible = std::min<int64_t>(count, static_cast<int64_t>(lim[i]) - k0 + 1);
       if (visible <= 0) continue;  // every key of the tile is past this row
@@ -131,9 +134,11 @@ void run_task(const Problem& pb, const Task& tk, std::vector<float>& buf) {
         store8(si + j, w);
         total += w;
       }
-      const float sum = hsum(total);
-      online_step<DIM>(mt, sum, si, vp, visible, m[i], l[i], acc + i * DIM);
+      online_rescale<DIM>(mt, hsum(total), m[i], l[i], acc + i * DIM);
+      acc_of[na] = acc + i * DIM;
+      w_of[na++] = si;
     }
+    accumulate_many<DIM>(acc_of.data(), w_of.data(), na, vp, count);  // weights are 0 past each row's position
   }
   // outputs, Eq. 3 scores (group max over heads) and the top-k of each row
   std::vector<float> score(nb);
