@@ -82,36 +82,37 @@ void score_direct(const float* qs, int64_t nq, const float* const* kp, int64_t c
   }
 }
 
-// Same result through a transposed tile kt [DIM, KEYS]: 8 keys per FMA, two query vectors at a time.
+// NQ query vectors' scores of a transposed tile kt [DIM, KEYS]: 8 keys per FMA, NQ x 4 accumulators.
+template <int DIM, int NQ>
+inline void score_n(const float* qs, const float* kt, float* s) {
+  v8 a[NQ][4];
+  for (int q = 0; q < NQ; ++q)
+    for (int c = 0; c < 4; ++c) a[q][c] = splat(0.f);
+  for (int d = 0; d < DIM; ++d) {
+    const float* r = kt + d * KEYS;
+    const v8 k0 = load8(r), k1 = load8(r + 8), k2 = load8(r + 16), k3 = load8(r + 24);
+    for (int q = 0; q < NQ; ++q) {
+      const v8 x = splat(qs[q * DIM + d]);
+      a[q][0] += x * k0; a[q][1] += x * k1; a[q][2] += x * k2; a[q][3] += x * k3;
+    }
+  }
+  for (int q = 0; q < NQ; ++q)
+    for (int c = 0; c < 4; ++c) store8(s + q * KEYS + 8 * c, a[q][c]);
+}
+
+// Same result as `score_direct` through a transposed tile kt [DIM, KEYS]. Four query vectors at a time where
+// AVX-512 gives 32 vector registers (16 accumulators), two where AVX2 gives 16.
 template <int DIM>
 void score_tiled(const float* qs, int64_t nq, const float* kt, float* s) {
+#ifdef __AVX512VL__
+  constexpr int64_t STEP = 4;
+#else
+  constexpr int64_t STEP = 2;
+#endif
   int64_t i = 0;
-  for (; i + 1 < nq; i += 2) {
-    const float* q0 = qs + i * DIM;
-    const float* q1 = q0 + DIM;
-    v8 a0 = splat(0.f), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-    for (int d = 0; d < DIM; ++d) {
-      const float* r = kt + d * KEYS;
-      const v8 k0 = load8(r), k1 = load8(r + 8), k2 = load8(r + 16), k3 = load8(r + 24);
-      const v8 x = splat(q0[d]), y = splat(q1[d]);
-      a0 += x * k0; a1 += x * k1; a2 += x * k2; a3 += x * k3;
-      b0 += y * k0; b1 += y * k1; b2 += y * k2; b3 += y * k3;
-    }
-    float* s0 = s + i * KEYS;
-    store8(s0, a0); store8(s0 + 8, a1); store8(s0 + 16, a2); store8(s0 + 24, a3);
-    store8(s0 + KEYS, b0); store8(s0 + KEYS + 8, b1); store8(s0 + KEYS + 16, b2); store8(s0 + KEYS + 24, b3);
-  }
-  for (; i < nq; ++i) {
-    const float* q0 = qs + i * DIM;
-    v8 a0 = splat(0.f), a1 = a0, a2 = a0, a3 = a0;
-    for (int d = 0; d < DIM; ++d) {
-      const float* r = kt + d * KEYS;
-      const v8 x = splat(q0[d]);
-      a0 += x * load8(r); a1 += x * load8(r + 8); a2 += x * load8(r + 16); a3 += x * load8(r + 24);
-    }
-    float* s0 = s + i * KEYS;
-    store8(s0, a0); store8(s0 + 8, a1); store8(s0 + 16, a2); store8(s0 + 24, a3);
-  }
+  for (; i + STEP <= nq; i += STEP) score_n<DIM, STEP>(qs + i * DIM, kt, s + i * KEYS);
+  for (; i + 2 <= nq; i += 2) score_n<DIM, 2>(qs + i * DIM, kt, s + i * KEYS);
+  if (i < nq) score_n<DIM, 1>(qs + i * DIM, kt, s + i * KEYS);
 }
 
 // acc [DIM] += sum_j p[j] * V_j over `count` keys, 64 dims of registers at a time.
