@@ -170,14 +170,8 @@ void sparse_tile(const SparseProblem& pb, const SparseTask& tk, TileScratch& sc)
         any |= seen;
       }
       if (!any) continue;
-      // The whole tile at once, 8 exps per call (exp8 gives exactly 0 for the keys this row does not attend).
-      v8 total = splat(0.f);
-      for (int64_t j = 0; j < KEYS; j += 8) {
-        const v8 w = exp8(load8(si + j) - splat(mt));
-        store8(si + j, w);
-        total += w;
-      }
-      const float sum = hsum(total);
+      // The whole tile at once (exactly 0 for the keys this row does not attend).
+      const float sum = exp_tile(si, mt);
       online_step<DIM>(mt, sum, si, vp, count, m[i], l[i], acc + i * DIM);
     }
   }

@@ -111,6 +111,39 @@ inline v16 load16(const float* p) {
 inline void store16(float* p, v16 x) { __builtin_memcpy(p, &x, sizeof(x)); }
 inline v16 splat16(float x) { return v16{} + x; }
 
+// `exp8` on 16 floats (the same reduction and polynomial in AVX-512).
+inline v16 exp16(v16 x) {
+  const __m512 in = reinterpret_cast<__m512&>(x);
+  const __m512 xc = _mm512_min_ps(_mm512_max_ps(in, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  const __m512 y = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+  const __mmask16 keep = _mm512_cmp_ps_mask(in, _mm512_set1_ps(-87.3f), _CMP_GE_OQ);
+  const __m512 out = _mm512_maskz_mov_ps(keep, y);  // -inf -> 0
+  return reinterpret_cast<const v16&>(out);
+}
+
+// exp of a tile's KEYS scores in place (s[j] - mt); returns their sum. Exactly 0 where s[j] is -inf.
+inline float exp_tile(float* s, float mt) {
+  v16 total = splat16(0.f);
+  for (int64_t j = 0; j < KEYS; j += 16) {
+    const v16 w = exp16(load16(s + j) - mt);
+    store16(s + j, w);
+    total += w;
+  }
+  return _mm512_reduce_add_ps(reinterpret_cast<__m512&>(total));
+}
+
 // `score_n` in 16-float vectors: NQ x 2 accumulators of 16 keys.
 template <int DIM, int NQ>
 inline void score_n16(const float* qs, const float* kt, float* s) {
@@ -129,6 +162,16 @@ inline void score_n16(const float* qs, const float* kt, float* s) {
     store16(s + q * KEYS, a[q][0]);
     store16(s + q * KEYS + 16, a[q][1]);
   }
+}
+#else
+inline float exp_tile(float* s, float mt) {
+  v8 total = splat(0.f);
+  for (int64_t j = 0; j < KEYS; j += 8) {
+    const v8 w = exp8(load8(s + j) - splat(mt));
+    store8(s + j, w);
+    total += w;
+  }
+  return hsum(total);
 }
 #endif
 

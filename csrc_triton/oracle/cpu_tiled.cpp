@@ -133,13 +133,8 @@ void run_task(const Problem& pb, const Task& tk, std::vector<float>& buf) {
         ui[run_b[x]] = std::max(ui[run_b[x]], mb);
         mt = std::max(mt, mb);
       }
-      v8 total = splat(0.f);  // the whole tile, 8 exps per call; exactly 0 past the row's position
-      for (int64_t j = 0; j < KEYS; j += 8) {
-        const v8 w = exp8(load8(si + j) - splat(mt));
-        store8(si + j, w);
-        total += w;
-      }
-      online_rescale<DIM>(mt, hsum(total), m[i], l[i], acc + i * DIM);
+      // the whole tile at once; exactly 0 past the row's position
+      online_rescale<DIM>(mt, exp_tile(si, mt), m[i], l[i], acc + i * DIM);
       acc_of[na] = acc + i * DIM;
       w_of[na++] = si;
     }
