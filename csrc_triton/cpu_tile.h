@@ -144,6 +144,12 @@ inline float exp_tile(float* s, float mt) {
   return _mm512_reduce_add_ps(reinterpret_cast<__m512&>(total));
 }
 
+// The maximum of a tile's KEYS scores.
+inline float max_tile(const float* s) {
+  const __m512 a = _mm512_max_ps(_mm512_loadu_ps(s), _mm512_loadu_ps(s + 16));
+  return _mm512_reduce_max_ps(a);
+}
+
 // `score_n` in 16-float vectors: NQ x 2 accumulators of 16 keys.
 template <int DIM, int NQ>
 inline void score_n16(const float* qs, const float* kt, float* s) {
@@ -164,6 +170,17 @@ inline void score_n16(const float* qs, const float* kt, float* s) {
   }
 }
 #else
+inline float max_tile(const float* s) {
+  v8 a = load8(s);
+  for (int64_t j = 8; j < KEYS; j += 8) {
+    const v8 b = load8(s + j);
+    a = a > b ? a : b;
+  }
+  float m = a[0];
+  for (int i = 1; i < 8; ++i) m = std::max(m, a[i]);
+  return m;
+}
+
 inline float exp_tile(float* s, float mt) {
   v8 total = splat(0.f);
   for (int64_t j = 0; j < KEYS; j += 8) {

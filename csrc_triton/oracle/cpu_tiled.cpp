@@ -123,9 +123,14 @@ void run_task(const Problem& pb, const Task& tk, std::vector<float>& buf) {
       float* ui = u + i * nb;
       // Each block's running maximum, a run at a time in a register: one store per run, not a dependent
       // load and store per key (that chain took a third of a prefill tile).
-      for (int64_t j = visible; j < KEYS; ++j) si[j] = NEG_INF;
       float mt = m[i];
-      for (int64_t x = 0; x < nruns && run_at[x] < visible; ++x) {
+      if (visible == KEYS && nruns == 1) {  // most tiles: every key visible, one block
+        const float mb = max_tile(si);
+        ui[run_b[0]] = std::max(ui[run_b[0]], mb);
+        mt = std::max(mt, mb);
+      }
+      for (int64_t j = visible; j < KEYS; ++j) si[j] = NEG_INF;
+      for (int64_t x = 0; (visible < KEYS || nruns > 1) && x < nruns && run_at[x] < visible; ++x) {
         float mb = NEG_INF;
         const int64_t stop = run_at[x + 1];
 #pragma omp simd reduction(max : mb)
