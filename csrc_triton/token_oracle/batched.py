@@ -26,6 +26,8 @@ def select_tokens(r: torch.Tensor, pos: torch.Tensor, topk_tokens: int, recent_w
     """
     n, g, s = r.shape
     width = topk_tokens + recent_window
+    if s - recent_window <= topk_tokens:
+        return all_visible(pos, g, width)
     j = torch.arange(s, device=r.device)
     window_start = pos - recent_window + 1
     chosen = ((j[None, :] >= window_start[:, None]) & (j[None, :] <= pos[:, None]))[:, None, :].repeat(1, g, 1)
@@ -46,6 +48,13 @@ def select_tokens(r: torch.Tensor, pos: torch.Tensor, topk_tokens: int, recent_w
     return ids[..., :width]
 
 
+def all_visible(pos: torch.Tensor, groups: int, width: int) -> torch.Tensor:
+    """`select_tokens` where no row has more than `topk_tokens` keys outside its window (a context of at most
+    `width` keys, a host shape): every row selects `[0, pos]`. `[N, G, width]` int64, -1 padded."""
+    j = torch.arange(width, device=pos.device)
+    return torch.where(j[None, :] <= pos[:, None], j[None, :], -1)[:, None, :].expand(-1, groups, -1)
+
+
 def select_from_logits(z, lse, limit, topk_tokens: int, recent_window: int, reduce: str):
     """The token selection S_t from a row's logits: exact probabilities, reduced over the group's heads.
 
@@ -56,6 +65,8 @@ def select_from_logits(z, lse, limit, topk_tokens: int, recent_window: int, redu
         positions `[b, r, G, topk_tokens + recent_window]`.
     """
     b, g, r = z.shape[:3]
+    if z.shape[-1] - recent_window <= topk_tokens:  # every visible key is selected: no scores needed
+        return all_visible(limit.reshape(-1), g, topk_tokens + recent_window).view(b, r, g, -1)
     probs = torch.exp(z - lse)
     reduced = probs.amax(dim=3) if reduce == "max" else probs.sum(dim=3)  # [b, G, r, S]
     s = reduced.shape[-1]
