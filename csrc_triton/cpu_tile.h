@@ -279,6 +279,12 @@ inline void accumulate_many(float* const* acc, const float* const* p, int64_t nq
 #ifdef __AVX512F__
   if constexpr (DIM % 16 == 0) {
     for (; i + 4 <= nq; i += 4) accumulate_n16<DIM, 4>(acc + i, p + i, vp, count);
+    switch (nq - i) {  // decode tiles: one row's 1-3 query vectors of a group
+      case 3: accumulate_n16<DIM, 3>(acc + i, p + i, vp, count); return;
+      case 2: accumulate_n16<DIM, 2>(acc + i, p + i, vp, count); return;
+      case 1: accumulate_n16<DIM, 1>(acc + i, p + i, vp, count); return;
+      default: return;
+    }
   }
 #endif
   for (; i + 4 <= nq; i += 4) accumulate_n<DIM, 4>(acc + i, p + i, vp, count);
