@@ -120,6 +120,8 @@ void sparse_tile(const SparseProblem& pb, const SparseTask& tk, TileScratch& sc)
   float* m = acc + nq * DIM;
   float* l = m + nq;
   int64_t act[TILE_ROWS * 64];  // those rows' query vectors (per_group <= 64)
+  float* acc_of[TILE_ROWS * 64];
+  const float* w_of[TILE_ROWS * 64];
   const float* vp[KEYS];
   for (int64_t r = 0; r < tk.rows; ++r) {
     const float* src = pb.q + ((tk.row0 + r) * pb.heads + tk.group * per_group) * DIM;
@@ -157,6 +159,7 @@ void sparse_tile(const SparseProblem& pb, const SparseTask& tk, TileScratch& sc)
         for (int d = 0; d < DIM; ++d) kt[d * KEYS + j] = j < count ? kp[j][d] : 0.f;
       score_tiled<DIM>(qa, na, kt, s);
     }
+    int64_t nw = 0;  // the query vectors with a key in this tile: accumulators and weights
     for (int64_t a = 0; a < na; ++a) {
       const int64_t i = act[a], r = i / per_group;
       const uint32_t bit = 1u << r;
@@ -171,9 +174,11 @@ void sparse_tile(const SparseProblem& pb, const SparseTask& tk, TileScratch& sc)
       }
       if (!any) continue;
       // The whole tile at once (exactly 0 for the keys this row does not attend).
-      const float sum = exp_tile(si, mt);
-      online_step<DIM>(mt, sum, si, vp, count, m[i], l[i], acc + i * DIM);
+      online_rescale<DIM>(mt, exp_tile(si, mt), m[i], l[i], acc + i * DIM);
+      acc_of[nw] = acc + i * DIM;
+      w_of[nw++] = si;
     }
+    accumulate_many<DIM>(acc_of, w_of, nw, vp, count);
   }
   for (int64_t i = 0; i < nq; ++i)
     store_row(pb, tk.row0 + i / per_group, tk.group * per_group + i % per_group, DIM, m[i], l[i], acc + i * DIM);
