@@ -148,6 +148,25 @@ def test_sparse(family, case, use_sinks, dtype, prefill_path):
     torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
 
 
+# Prefill runs taller than the C++ sparse kernel's row tile (63 rows, a bit each in a 64-bit key mask): rows past
+# bit 31 and a second tile of one request, with selections that differ from row to row.
+TALL = {"block": bs.Case([150, 1], [200, 90], block_size=16, topk=3),
+        "token": ts.Case([140, 1], [170, 60], window=6, topk=20)}
+
+
+@pytest.mark.parametrize("family", list(TALL))
+@pytest.mark.parametrize("use_sinks", [False, True])
+def test_sparse_tall_prefill(family, use_sinks):
+    module, selection, naive, batched = SPARSE[family]
+    case = TALL[family]
+    batch, q, sinks = module.make_inputs(case, torch.float32, seed=29)
+    sinks = sinks if use_sinks else None
+    ids = selection(batch, case, 29)
+    ref = module.run(naive, batch, q, ids, case, sinks)
+    got = module.run(batched, batch, q, ids, case, sinks, out=nan_like(q))
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
 def test_block_sparse_all_blocks_is_dense_causal(prefill_path):
     case = bs.CASES[4]
     batch, q, sinks = bs.make_inputs(case, torch.float32, seed=3)
