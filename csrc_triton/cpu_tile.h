@@ -27,6 +27,21 @@ inline v8 splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
 inline float hsum(v8 x) {
   return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
 }
+// The same for any of the vector types (v8, and v16 where the CPU has AVX-512).
+template <typename V>
+inline V loadv(const float* p) {
+  V x;
+  __builtin_memcpy(&x, p, sizeof(x));
+  return x;
+}
+template <typename V>
+inline void storev(float* p, V x) {
+  __builtin_memcpy(p, &x, sizeof(x));
+}
+template <typename V>
+inline V splatv(float x) {
+  return V{} + x;
+}
 
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -82,34 +97,29 @@ void score_direct(const float* qs, int64_t nq, const float* const* kp, int64_t c
   }
 }
 
-// NQ query vectors' scores of a transposed tile kt [DIM, KEYS]: 8 keys per FMA, NQ x 4 accumulators.
-template <int DIM, int NQ>
+// NQ query vectors' scores of a transposed tile kt [DIM, KEYS]: KEYS / W keys per FMA (W floats a vector V),
+// NQ x KEYS / W accumulators.
+template <int DIM, int NQ, typename V = v8>
 inline void score_n(const float* qs, const float* kt, float* s) {
-  v8 a[NQ][4];
+  constexpr int W = sizeof(V) / sizeof(float), NK = KEYS / W;
+  V a[NQ][NK];
   for (int q = 0; q < NQ; ++q)
-    for (int c = 0; c < 4; ++c) a[q][c] = splat(0.f);
+    for (int c = 0; c < NK; ++c) a[q][c] = splatv<V>(0.f);
   for (int d = 0; d < DIM; ++d) {
-    const float* r = kt + d * KEYS;
-    const v8 k0 = load8(r), k1 = load8(r + 8), k2 = load8(r + 16), k3 = load8(r + 24);
+    V k[NK];
+    for (int c = 0; c < NK; ++c) k[c] = loadv<V>(kt + d * KEYS + c * W);
     for (int q = 0; q < NQ; ++q) {
-      const v8 x = splat(qs[q * DIM + d]);
-      a[q][0] += x * k0; a[q][1] += x * k1; a[q][2] += x * k2; a[q][3] += x * k3;
+      const V x = splatv<V>(qs[q * DIM + d]);
+      for (int c = 0; c < NK; ++c) a[q][c] += x * k[c];
     }
   }
   for (int q = 0; q < NQ; ++q)
-    for (int c = 0; c < 4; ++c) store8(s + q * KEYS + 8 * c, a[q][c]);
+    for (int c = 0; c < NK; ++c) storev<V>(s + q * KEYS + c * W, a[q][c]);
 }
 
 #ifdef __AVX512F__
 // 16-float vectors where the CPU has AVX-512: twice the work per FMA of the prefill tiles' inner loops.
 typedef float v16 __attribute__((vector_size(64)));
-inline v16 load16(const float* p) {
-  v16 x;
-  __builtin_memcpy(&x, p, sizeof(x));
-  return x;
-}
-inline void store16(float* p, v16 x) { __builtin_memcpy(p, &x, sizeof(x)); }
-inline v16 splat16(float x) { return v16{} + x; }
 
 // `exp8` on 16 floats (the same reduction and polynomial in AVX-512).
 inline v16 exp16(v16 x) {
@@ -135,10 +145,10 @@ inline v16 exp16(v16 x) {
 
 // exp of a tile's KEYS scores in place (s[j] - mt); returns their sum. Exactly 0 where s[j] is -inf.
 inline float exp_tile(float* s, float mt) {
-  v16 total = splat16(0.f);
+  v16 total = splatv<v16>(0.f);
   for (int64_t j = 0; j < KEYS; j += 16) {
-    const v16 w = exp16(load16(s + j) - mt);
-    store16(s + j, w);
+    const v16 w = exp16(loadv<v16>(s + j) - mt);
+    storev<v16>(s + j, w);
     total += w;
   }
   return _mm512_reduce_add_ps(reinterpret_cast<__m512&>(total));
@@ -148,26 +158,6 @@ inline float exp_tile(float* s, float mt) {
 inline float max_tile(const float* s) {
   const __m512 a = _mm512_max_ps(_mm512_loadu_ps(s), _mm512_loadu_ps(s + 16));
   return _mm512_reduce_max_ps(a);
-}
-
-// `score_n` in 16-float vectors: NQ x 2 accumulators of 16 keys.
-template <int DIM, int NQ>
-inline void score_n16(const float* qs, const float* kt, float* s) {
-  static_assert(KEYS == 32, "two 16-key vectors per tile row");
-  v16 a[NQ][2];
-  for (int q = 0; q < NQ; ++q) a[q][0] = a[q][1] = splat16(0.f);
-  for (int d = 0; d < DIM; ++d) {
-    const v16 k0 = load16(kt + d * KEYS), k1 = load16(kt + d * KEYS + 16);
-    for (int q = 0; q < NQ; ++q) {
-      const v16 x = splat16(qs[q * DIM + d]);
-      a[q][0] += x * k0;
-      a[q][1] += x * k1;
-    }
-  }
-  for (int q = 0; q < NQ; ++q) {
-    store16(s + q * KEYS, a[q][0]);
-    store16(s + q * KEYS + 16, a[q][1]);
-  }
 }
 #else
 inline float max_tile(const float* s) {
@@ -198,8 +188,8 @@ template <int DIM>
 void score_tiled(const float* qs, int64_t nq, const float* kt, float* s) {
   int64_t i = 0;
 #ifdef __AVX512F__
-  for (; i + 8 <= nq; i += 8) score_n16<DIM, 8>(qs + i * DIM, kt, s + i * KEYS);
-  for (; i + 4 <= nq; i += 4) score_n16<DIM, 4>(qs + i * DIM, kt, s + i * KEYS);
+  for (; i + 8 <= nq; i += 8) score_n<DIM, 8, v16>(qs + i * DIM, kt, s + i * KEYS);
+  for (; i + 4 <= nq; i += 4) score_n<DIM, 4, v16>(qs + i * DIM, kt, s + i * KEYS);
 #endif
   for (; i + 2 <= nq; i += 2) score_n<DIM, 2>(qs + i * DIM, kt, s + i * KEYS);
   if (i < nq) score_n<DIM, 1>(qs + i * DIM, kt, s + i * KEYS);
@@ -226,50 +216,29 @@ inline void accumulate(float* acc, const float* p, const float* const* vp, int64
 
 // acc[q] [DIM] += sum_j p[q][j] * V_j for NQ query vectors at once over the same `count` keys: each V vector is
 // loaded once for all of them (one query at a time loads a V vector per FMA, which bounds a prefill tile).
-template <int DIM, int NQ>
+// V: v8, or v16 (DIM a multiple of 16) where the CPU has AVX-512; 4 vectors of dims at a time.
+template <int DIM, int NQ, typename V = v8>
 inline void accumulate_n(float* const* acc, const float* const* p, const float* const* vp, int64_t count) {
-  for (int d0 = 0; d0 < DIM; d0 += 32) {
-    const int nv = std::min(4, (DIM - d0) / 8);
-    v8 a[NQ][4];
+  constexpr int W = sizeof(V) / sizeof(float);
+  for (int d0 = 0; d0 < DIM; d0 += 4 * W) {
+    const int nv = std::min(4, (DIM - d0) / W);
+    V a[NQ][4];
     for (int q = 0; q < NQ; ++q)
-      for (int c = 0; c < 4; ++c) a[q][c] = c < nv ? load8(acc[q] + d0 + 8 * c) : splat(0.f);
+      for (int c = 0; c < 4; ++c) a[q][c] = c < nv ? loadv<V>(acc[q] + d0 + W * c) : splatv<V>(0.f);
     for (int64_t j = 0; j < count; ++j) {
-      v8 v[4];
-      for (int c = 0; c < 4; ++c) v[c] = c < nv ? load8(vp[j] + d0 + 8 * c) : splat(0.f);
+      V v[4];
+      for (int c = 0; c < 4; ++c) v[c] = c < nv ? loadv<V>(vp[j] + d0 + W * c) : splatv<V>(0.f);
       for (int q = 0; q < NQ; ++q) {
-        const v8 w = splat(p[q][j]);
+        const V w = splatv<V>(p[q][j]);
         for (int c = 0; c < 4; ++c)
           if (c < nv) a[q][c] += w * v[c];
       }
     }
     for (int q = 0; q < NQ; ++q)
-      for (int c = 0; c < nv; ++c) store8(acc[q] + d0 + 8 * c, a[q][c]);
+      for (int c = 0; c < nv; ++c) storev<V>(acc[q] + d0 + W * c, a[q][c]);
   }
 }
 
-#ifdef __AVX512F__
-// `accumulate_n` in 16-float vectors (DIM a multiple of 16), 64 dims at a time.
-template <int DIM, int NQ>
-inline void accumulate_n16(float* const* acc, const float* const* p, const float* const* vp, int64_t count) {
-  for (int d0 = 0; d0 < DIM; d0 += 64) {
-    const int nv = std::min(4, (DIM - d0) / 16);
-    v16 a[NQ][4];
-    for (int q = 0; q < NQ; ++q)
-      for (int c = 0; c < 4; ++c) a[q][c] = c < nv ? load16(acc[q] + d0 + 16 * c) : splat16(0.f);
-    for (int64_t j = 0; j < count; ++j) {
-      v16 v[4];
-      for (int c = 0; c < 4; ++c) v[c] = c < nv ? load16(vp[j] + d0 + 16 * c) : splat16(0.f);
-      for (int q = 0; q < NQ; ++q) {
-        const v16 w = splat16(p[q][j]);
-        for (int c = 0; c < 4; ++c)
-          if (c < nv) a[q][c] += w * v[c];
-      }
-    }
-    for (int q = 0; q < NQ; ++q)
-      for (int c = 0; c < nv; ++c) store16(acc[q] + d0 + 16 * c, a[q][c]);
-  }
-}
-#endif
 
 // `accumulate_n` over any number of query vectors, 4 at a time (in 16-float vectors where AVX-512 has them).
 template <int DIM>
@@ -278,11 +247,11 @@ inline void accumulate_many(float* const* acc, const float* const* p, int64_t nq
   int64_t i = 0;
 #ifdef __AVX512F__
   if constexpr (DIM % 16 == 0) {
-    for (; i + 4 <= nq; i += 4) accumulate_n16<DIM, 4>(acc + i, p + i, vp, count);
+    for (; i + 4 <= nq; i += 4) accumulate_n<DIM, 4, v16>(acc + i, p + i, vp, count);
     switch (nq - i) {  // decode tiles: one row's 1-3 query vectors of a group
-      case 3: accumulate_n16<DIM, 3>(acc + i, p + i, vp, count); return;
-      case 2: accumulate_n16<DIM, 2>(acc + i, p + i, vp, count); return;
-      case 1: accumulate_n16<DIM, 1>(acc + i, p + i, vp, count); return;
+      case 3: accumulate_n<DIM, 3, v16>(acc + i, p + i, vp, count); return;
+      case 2: accumulate_n<DIM, 2, v16>(acc + i, p + i, vp, count); return;
+      case 1: accumulate_n<DIM, 1, v16>(acc + i, p + i, vp, count); return;
       default: return;
     }
   }
