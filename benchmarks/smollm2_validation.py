@@ -55,6 +55,10 @@ def summary(arch: str, runs: dict, command: str) -> str:
         lines += [f"### {variant}, {seq_len} tokens", "", "| stage | KL | top-1 | perplexity |",
                   "| --- | ---: | ---: | ---: |"]
         lines += [f"| {s['stage']} | {s['kl']:.4f} | {s['top1']:.3f} | {s['perplexity']:.2f} |" for s in r["stages"]]
+        spans = r["stages"][-1].get("by_position", [])
+        if spans:
+            lines += ["", "By position (final stage):", "", "| positions | KL | top-1 |", "| --- | ---: | ---: |"]
+            lines += [f"| {p['start']}-{p['end'] - 1} | {p['kl']:.4f} | {p['top1']:.3f} |" for p in spans]
         lines.append("")
     return "\n".join(lines) + "\n"
 

@@ -62,6 +62,15 @@ def test_final_stage_logit_metrics_match_hand_computation(pair):
     top1 = sum(int(t[i].argmax() == s[i].argmax()) for i in range(SEQ)) / SEQ
     nll = -sum(float(s[i, ids[0, i + 1]]) for i in range(SEQ - 1)) / (SEQ - 1)
     final = _stage(report, "SWA branch")
+    span = -(-SEQ // validate.POSITION_SPANS)
+    starts = list(range(0, SEQ, span))
+    assert [p["start"] for p in final["by_position"]] == starts
+    for p, a in zip(final["by_position"], starts):
+        rows = range(a, min(a + span, SEQ))
+        assert p["rows"] == len(rows)
+        assert p["kl"] == pytest.approx(sum(float((t[i].exp() * (t[i] - s[i])).sum()) for i in rows) / len(rows),
+                                        rel=1e-6, abs=1e-9)
+        assert p["top1"] == pytest.approx(sum(int(t[i].argmax() == s[i].argmax()) for i in rows) / len(rows))
     assert final["kl"] == pytest.approx(kl, rel=1e-6, abs=1e-9)
     assert final["top1"] == pytest.approx(top1)
     assert final["perplexity"] == pytest.approx(math.exp(nll), rel=1e-6)

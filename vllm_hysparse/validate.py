@@ -63,6 +63,9 @@ STAGES = {
 }
 # Rows per window on which early exit runs the cross-decoder alone, to compare with the stage before.
 EXIT_ROWS = 8
+# KL and top-1 are also reported for this many equal spans of a window's positions: a student's error often grows
+# with the distance its sparse layers must reach (past its window, past the windows it was trained on).
+POSITION_SPANS = 8
 
 
 @dataclass
@@ -97,12 +100,16 @@ class StageResult:
     # Per window, the logits `[1, R, vocab]` at `sample_rows`: what the next stage's early exit is checked against.
     sample_logits: list = field(default_factory=list)
     early_exit_check: dict | None = None
+    # position span start -> [end, KL sum, top-1 count, rows]
+    spans: dict[int, list] = field(default_factory=dict)
 
     def summary(self) -> dict:
         n = max(self.tokens, 1)
         ppl = float(torch.exp(torch.tensor(self.nll / self.nll_tokens))) if self.nll_tokens else None
         out = {"stage": self.name, "switches": self.switches, "rows": self.tokens, "kl": self.kl / n,
                "top1": self.top1 / n, "perplexity": ppl,
+               "by_position": [{"start": a, "end": e, "kl": kl / rows, "top1": top1 / rows, "rows": rows}
+                               for a, (e, kl, top1, rows) in sorted(self.spans.items())],
                "layers": {i: s.row() for i, s in sorted(self.layers.items())}}
         if self.early_exit_check is not None:
             out["early_exit_check"] = self.early_exit_check
@@ -226,8 +233,16 @@ def evaluate_stage(teacher_runs, student, windows, name: str, switches: dict, te
 def _accumulate(result: StageResult, out, t_logits, t_hidden, ids) -> None:
     s_logp = torch.log_softmax(out.logits.double(), -1)
     t_logp = torch.log_softmax(t_logits.double(), -1)
-    result.kl += float(kl_rows(t_logp, s_logp).sum())
-    result.top1 += int((s_logp.argmax(-1) == t_logp.argmax(-1)).sum())
+    kl, agree = kl_rows(t_logp, s_logp), s_logp.argmax(-1) == t_logp.argmax(-1)  # [B, L]
+    result.kl += float(kl.sum())
+    result.top1 += int(agree.sum())
+    span = -(-kl.shape[1] // POSITION_SPANS)
+    for a in range(0, kl.shape[1], span):
+        e = min(a + span, kl.shape[1])
+        acc = result.spans.setdefault(a, [e, 0.0, 0, 0])
+        acc[1] += float(kl[:, a:e].sum())
+        acc[2] += int(agree[:, a:e].sum())
+        acc[3] += kl[:, a:e].numel()
     targets = ids[:, 1:]
     result.nll -= float(s_logp[:, :-1].gather(-1, targets.unsqueeze(-1)).sum())
     result.nll_tokens += targets.numel()
@@ -338,6 +353,11 @@ def markdown_report(report: dict) -> str:
                    f"asked for rows {rows} only, the cross-decoder still ran on every row (early exit not taken); it")
             lines += ["", f"Stage '{s['stage']}': {how} gives logits within {check['max_abs_logit_diff']:.3g} "
                       "(max abs) of the stage before (SPEC §3.3: exact)."]
+    final = report["stages"][-1]
+    if final.get("by_position"):
+        lines += ["", f"## By position at stage '{final['stage']}'", "", "| positions | KL | top-1 |",
+                  "| --- | ---: | ---: |"]
+        lines += [f"| {p['start']}-{p['end'] - 1} | {p['kl']:.4g} | {p['top1']:.3f} |" for p in final["by_position"]]
     lines += ["", "## Where the error jumps", "",
               "| stage | KL change | top-1 change | layer with the largest cosine drop | drop |",
               "| --- | ---: | ---: | ---: | ---: |"]
