@@ -149,8 +149,8 @@ void sparse_tile(const SparseProblem& pb, const SparseTask& tk, TileScratch& sc)
     const int64_t* key = sc.keys.data() + c0;
     const RowMask* kmask = sc.masks.data() + c0;
     const float* const* kp = sc.kp.data() + c0;
-    RowMask rows = 0;
-    for (int64_t j = 0; j < count; ++j) rows |= kmask[j];
+    RowMask rows = 0, every = ~RowMask{0};  // rows that selected some / every key of the tile
+    for (int64_t j = 0; j < count; ++j) rows |= kmask[j], every &= kmask[j];
     for (int64_t r = 0; r < tk.rows; ++r)
       if (pos[r] < key[0]) rows &= ~(RowMask{1} << r);  // keys ascend: this row sees none of them
     if (rows == 0) continue;
@@ -176,15 +176,19 @@ void sparse_tile(const SparseProblem& pb, const SparseTask& tk, TileScratch& sc)
       const int64_t i = act[a], r = i / per_group;
       const RowMask bit = RowMask{1} << r;
       float* si = s + a * KEYS;
-      bool any = false;
       float mt = m[i];
-      for (int64_t j = 0; j < KEYS; ++j) {
-        const bool seen = j < count && (kmask[j] & bit) && key[j] <= pos[r];
-        si[j] = seen ? si[j] : NEG_INF;
-        mt = std::max(mt, si[j]);
-        any |= seen;
+      if (count == KEYS && (every & bit) && key[KEYS - 1] <= pos[r]) {  // most prefill tiles: every key attended
+        mt = std::max(mt, max_tile(si));
+      } else {
+        bool any = false;
+        for (int64_t j = 0; j < KEYS; ++j) {
+          const bool seen = j < count && (kmask[j] & bit) && key[j] <= pos[r];
+          si[j] = seen ? si[j] : NEG_INF;
+          mt = std::max(mt, si[j]);
+          any |= seen;
+        }
+        if (!any) continue;
       }
-      if (!any) continue;
       // The whole tile at once (exactly 0 for the keys this row does not attend).
       online_rescale<DIM>(mt, exp_tile(si, mt), m[i], l[i], acc + i * DIM);
       acc_of[nw] = acc + i * DIM;
