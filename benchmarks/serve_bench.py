@@ -654,7 +654,9 @@ def parse_args(argv):
 
 def bench_settings_from(settings: dict, lens: list[int]) -> dict:
     return {"num_prompts": settings["num_prompts"], "output_len": settings["output_len"],
-            "concurrency": settings["concurrency"], "kv_space_gib": settings["kv_space_gib"], "prefix_caching": False,
+            "concurrency": settings["concurrency"], "kv_space_gib": settings["kv_space_gib"],
+            # (a run recorded before the flag had it off)
+            "prefix_caching": settings.get("prefix_caching", False),
             "max_model_len": max_model_len_for(lens, settings["output_len"])}
 
 
