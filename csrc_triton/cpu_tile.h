@@ -195,25 +195,6 @@ void score_tiled(const float* qs, int64_t nq, const float* kt, float* s) {
   if (i < nq) score_n<DIM, 1>(qs + i * DIM, kt, s + i * KEYS);
 }
 
-// acc [DIM] += sum_j p[j] * V_j over `count` keys, 64 dims of registers at a time.
-template <int DIM>
-inline void accumulate(float* acc, const float* p, const float* const* vp, int64_t count) {
-  for (int d0 = 0; d0 < DIM; d0 += 64) {
-    constexpr int NV_ALL = DIM / 8;
-    const int nv = std::min(8, NV_ALL - d0 / 8);
-    v8 a[8];
-    for (int c = 0; c < 8; ++c) a[c] = c < nv ? load8(acc + d0 + 8 * c) : splat(0.f);
-    for (int64_t j = 0; j < count; ++j) {
-      if (p[j] == 0.f) continue;
-      const v8 w = splat(p[j]);
-      const float* v = vp[j] + d0;
-      for (int c = 0; c < 8; ++c)
-        if (c < nv) a[c] += w * load8(v + 8 * c);
-    }
-    for (int c = 0; c < nv; ++c) store8(acc + d0 + 8 * c, a[c]);
-  }
-}
-
 // acc[q] [DIM] += sum_j p[q][j] * V_j for NQ query vectors at once over the same `count` keys: each V vector is
 // loaded once for all of them (one query at a time loads a V vector per FMA, which bounds a prefill tile).
 // V: v8, or v16 (DIM a multiple of 16) where the CPU has AVX-512; 4 vectors of dims at a time.
@@ -238,7 +219,6 @@ inline void accumulate_n(float* const* acc, const float* const* p, const float* 
       for (int c = 0; c < nv; ++c) storev<V>(acc[q] + d0 + W * c, a[q][c]);
   }
 }
-
 
 // `accumulate_n` over any number of query vectors, 4 at a time (in 16-float vectors where AVX-512 has them).
 template <int DIM>
@@ -270,16 +250,6 @@ inline void online_rescale(float mt, float sum, float& m, float& l, float* acc) 
   m = mt;
   if (rescale != 1.f)
     for (int d = 0; d < DIM; ++d) acc[d] *= rescale;
-}
-
-// One online-softmax step of a query vector: `w` [count] holds exp(z - mt) for the keys it attends (0 for the
-// others), `sum` their total and `mt` the new running max. Rescales the running sum l and accumulator acc [DIM]
-// from the old max m, then adds the weighted values.
-template <int DIM>
-inline void online_step(float mt, float sum, const float* w, const float* const* vp, int64_t count, float& m, float& l,
-                        float* acc) {
-  online_rescale<DIM>(mt, sum, m, l, acc);
-  accumulate<DIM>(acc, w, vp, count);
 }
 
 // The head dims the tiled kernels compile, for their switches and for Python (`supported_dims`).

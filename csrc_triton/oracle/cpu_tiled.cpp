@@ -128,15 +128,16 @@ void run_task(const Problem& pb, const Task& tk, std::vector<float>& buf) {
         const float mb = max_tile(si);
         ui[run_b[0]] = std::max(ui[run_b[0]], mb);
         mt = std::max(mt, mb);
-      }
-      for (int64_t j = visible; j < KEYS; ++j) si[j] = NEG_INF;
-      for (int64_t x = 0; (visible < KEYS || nruns > 1) && x < nruns && run_at[x] < visible; ++x) {
-        float mb = NEG_INF;
-        const int64_t stop = run_at[x + 1];
+      } else {
+        for (int64_t j = visible; j < KEYS; ++j) si[j] = NEG_INF;
+        for (int64_t x = 0; x < nruns && run_at[x] < visible; ++x) {
+          float mb = NEG_INF;
+          const int64_t stop = run_at[x + 1];
 #pragma omp simd reduction(max : mb)
-        for (int64_t j = run_at[x]; j < stop; ++j) mb = si[j] > mb ? si[j] : mb;
-        ui[run_b[x]] = std::max(ui[run_b[x]], mb);
-        mt = std::max(mt, mb);
+          for (int64_t j = run_at[x]; j < stop; ++j) mb = si[j] > mb ? si[j] : mb;
+          ui[run_b[x]] = std::max(ui[run_b[x]], mb);
+          mt = std::max(mt, mb);
+        }
       }
       // the whole tile at once; exactly 0 past the row's position
       online_rescale<DIM>(mt, exp_tile(si, mt), m[i], l[i], acc + i * DIM);
