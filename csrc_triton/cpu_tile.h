@@ -77,22 +77,55 @@ inline v8 exp8(v8 x) {
 #endif
 }
 
-// Scores of `count` keys (< KEYS), pointers `kp`, for `nq` query vectors `qs` [nq, DIM] -> s [nq, KEYS].
-template <int DIM>
-void score_direct(const float* qs, int64_t nq, const float* const* kp, int64_t count, float* s) {
-  constexpr int NV = DIM / 8;
-  for (int64_t j = 0; j < count; ++j) {
-    v8 k[NV];
-    for (int c = 0; c < NV; ++c) k[c] = load8(kp[j] + 8 * c);
-    for (int64_t i = 0; i < nq; ++i) {
-      const float* qi = qs + i * DIM;
-      v8 a = splat(0.f), b = splat(0.f);
-      for (int c = 0; c + 1 < NV; c += 2) {
-        a += load8(qi + 8 * c) * k[c];
-        b += load8(qi + 8 * c + 8) * k[c + 1];
-      }
-      if (NV % 2) a += load8(qi + 8 * (NV - 1)) * k[NV - 1];
-      s[i * KEYS + j] = hsum(a + b);
+// [sum(a[0]), ..., sum(a[7])]: eight horizontal sums at once, as pairwise adds of shuffled halves (the hadd tree)
+// rather than one reduction per vector.
+inline v8 hsum8(const v8* a) {
+  const auto hadd = [](v8 x, v8 y) {  // [x0+x1, x2+x3, y0+y1, y2+y3, x4+x5, x6+x7, y4+y5, y6+y7]
+    return __builtin_shufflevector(x, y, 0, 2, 8, 10, 4, 6, 12, 14) +
+           __builtin_shufflevector(x, y, 1, 3, 9, 11, 5, 7, 13, 15);
+  };
+  const v8 u0 = hadd(hadd(a[0], a[1]), hadd(a[2], a[3]));  // [a0..a3 low halves' sums | high halves' sums]
+  const v8 u1 = hadd(hadd(a[4], a[5]), hadd(a[6], a[7]));
+  return __builtin_shufflevector(u0, u1, 0, 1, 2, 3, 8, 9, 10, 11) +
+         __builtin_shufflevector(u0, u1, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+// Scores of 8 keys for one query vector q (NV vectors V in registers): per key a vector of partial sums (eight
+// independent FMA chains), folded to 8 floats, then `hsum8`.
+template <int NV, typename V>
+inline v8 score8(const V* q, const float* const* kp) {
+  constexpr int W = sizeof(V) / sizeof(float);
+  v8 part[8];
+  for (int x = 0; x < 8; ++x) {
+    V a = q[0] * loadv<V>(kp[x]);
+    for (int c = 1; c < NV; ++c) a += q[c] * loadv<V>(kp[x] + W * c);
+    if constexpr (W == 16) {
+      part[x] = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
+                __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+    } else {
+      part[x] = a;
+    }
+  }
+  return hsum8(part);
+}
+
+// Scores of `count` keys (< KEYS), pointers `kp`, for `nq` query vectors `qs` [nq, DIM] -> s [nq, KEYS]; for the
+// few query vectors of a decode tile, where a transposed copy of the keys would not pay for itself. Eight keys
+// at a time per query vector (its vectors held in registers), the rest one at a time.
+template <int DIM, typename V = v8>
+void score_direct_v(const float* qs, int64_t nq, const float* const* kp, int64_t count, float* s) {
+  constexpr int W = sizeof(V) / sizeof(float), NV = DIM / W;
+  const int64_t full = count / 8 * 8;
+  for (int64_t i = 0; i < nq; ++i) {
+    V q[NV];
+    for (int c = 0; c < NV; ++c) q[c] = loadv<V>(qs + i * DIM + W * c);
+    for (int64_t j = 0; j < full; j += 8) store8(s + i * KEYS + j, score8<NV, V>(q, kp + j));
+    for (int64_t j = full; j < count; ++j) {
+      V a = q[0] * loadv<V>(kp[j]);
+      for (int c = 1; c < NV; ++c) a += q[c] * loadv<V>(kp[j] + W * c);
+      float t = 0.f;
+      for (int x = 0; x < W; ++x) t += a[x];
+      s[i * KEYS + j] = t;
     }
   }
 }
@@ -181,6 +214,15 @@ inline float exp_tile(float* s, float mt) {
   return hsum(total);
 }
 #endif
+
+// `score_direct_v` in 16-float vectors where the CPU has AVX-512 (half the FMAs per key), else 8-float ones.
+template <int DIM>
+void score_direct(const float* qs, int64_t nq, const float* const* kp, int64_t count, float* s) {
+#ifdef __AVX512F__
+  if constexpr (DIM % 16 == 0) return score_direct_v<DIM, v16>(qs, nq, kp, count, s);
+#endif
+  score_direct_v<DIM, v8>(qs, nq, kp, count, s);
+}
 
 // Same result as `score_direct` through a transposed tile kt [DIM, KEYS]: 8 or 4 query vectors at a time in
 // 16-float vectors where the CPU has AVX-512, else 2 at a time in 8-float ones.

@@ -13,6 +13,13 @@
 // scratch (L1-resident) and every query vector of the task reuses it, so one FMA scores 8 keys.
 // Decode tiles have few query vectors, which would not repay the transpose: they dot each key
 // directly (FMAs over the head dim, one horizontal sum per key and head).
+//
+// Shared prefixes: single-row tasks (decode rows) of different requests whose block tables start with the
+// same pages (vLLM's prefix cache hands them the same physical pages) walk those pages once, as one task of
+// all their query vectors (the transposed path), and each row walks its own tail alone. The two partial
+// states (running max and sum, accumulators, block maxima) are merged by log-sum-exp before the outputs and
+// the top-k, so the result is the one pass over each row's own pages. Eight decode rows on an 8k shared
+// prompt read the prompt's K/V once instead of eight times.
 
 // ATen and op registration only, not torch/extension.h: see cpu_ext.py.
 #include <ATen/Parallel.h>
@@ -49,12 +56,72 @@ struct Problem {
   float scale;
 };
 
+// A shared prefix is walked once for all its rows only when it holds at least this many keys (below that, the
+// extra merge costs more than the keys it saves).
+constexpr int64_t SHARED_MIN_KEYS = 32;
+
 struct Task {
-  int64_t row0, rows, group, keys;  // keys: the tile's longest context (its largest position + 1)
+  int64_t row0, rows, group;
+  int64_t begin, keys;     // keys [begin, keys): keys is the tile's longest context (its largest position + 1)
+  const int64_t* row_ids;  // the rows when not consecutive (a shared prefix): row_ids[r], else row0 + r
+  int64_t slot0, part;     // split rows (see `Partials`): row r's slot is slot0 + r; -1 when not split
+  int64_t row(int64_t r) const { return row_ids != nullptr ? row_ids[r] : row0 + r; }
 };
 
+// The partial states of rows whose keys are split (shared prefix, own tail): per row, group and part (0: the
+// prefix, 1: the tail) and per query vector of the group, [m, l, acc[D], u[nb]] at a stride of 2 + D + nb.
+struct Partials {
+  int64_t per_group, dim, nb, stride;
+  std::vector<float> data;
+  std::vector<int64_t> rows;  // the split rows, in slot order
+  void init(int64_t groups, int64_t per_group_, int64_t dim_, int64_t nb_) {
+    per_group = per_group_, dim = dim_, nb = nb_, stride = 2 + dim_ + nb_;
+    const int64_t n_rows = static_cast<int64_t>(rows.size());
+    data.resize(static_cast<size_t>(n_rows * groups * 2 * per_group * stride));
+    // the empty state (a tail with no keys merges as nothing): m = -inf, l = 0, acc = 0, u = -inf
+    for (size_t x = 0; x < data.size(); x += stride) {
+      data[x] = NEG_INF;
+      data[x + 1] = 0.f;
+      std::fill(data.begin() + x + 2, data.begin() + x + 2 + dim, 0.f);
+      std::fill(data.begin() + x + 2 + dim, data.begin() + x + stride, NEG_INF);
+    }
+  }
+  float* at(int64_t slot, int64_t groups, int64_t g, int64_t part) {
+    return data.data() + ((slot * groups + g) * 2 + part) * per_group * stride;
+  }
+};
+
+// One row's outputs, Eq. 3 scores (group max over heads) and top-k from its final state: the group's query
+// vectors' m, l (stride 1), acc (stride DIM) and block maxima u (stride nb). score / order: nb floats / ints.
 template <int DIM>
-void run_task(const Problem& pb, const Task& tk, std::vector<float>& buf) {
+void finish_row(const Problem& pb, int64_t row, int64_t group, const float* m, const float* l, const float* acc,
+                const float* u, int64_t nb, float* score, int32_t* order) {
+  const int64_t per_group = pb.heads / pb.groups;
+  const int64_t n_vis = pb.pos[row] / pb.block + 1;  // blocks holding at least one visible key
+  std::fill(score, score + n_vis, 0.f);
+  for (int64_t p = 0; p < per_group; ++p) {
+    const float inv = 1.f / l[p], lse = m[p] + std::log(l[p]);
+    float* o = pb.out + (row * pb.heads + group * per_group + p) * DIM;
+    for (int d = 0; d < DIM; ++d) o[d] = acc[p * DIM + d] * inv;
+    for (int64_t b = 0; b < n_vis; ++b) score[b] = std::max(score[b], std::exp(u[p * nb + b] - lse));
+  }
+  if (pb.scores != nullptr) {
+    float* sc = pb.scores + (row * pb.groups + group) * pb.n_scores;
+    for (int64_t b = 0; b < pb.n_scores; ++b) sc[b] = b < n_vis ? score[b] : 0.f;
+  }
+  // top-k over the visible blocks: best first, ties to the smaller id; written ascending, -1 padded
+  const int64_t k = std::min(pb.topk, n_vis);
+  std::iota(order, order + n_vis, 0);
+  std::partial_sort(order, order + k, order + n_vis, [&](int32_t a, int32_t b) {
+    return score[a] > score[b] || (score[a] == score[b] && a < b);
+  });
+  std::sort(order, order + k);
+  int32_t* dst = pb.ids + row * pb.s_ids + group * pb.topk;
+  for (int64_t j = 0; j < pb.topk; ++j) dst[j] = j < k ? order[j] : -1;
+}
+
+template <int DIM>
+void run_task(const Problem& pb, const Task& tk, Partials& parts, std::vector<float>& buf) {
   const int64_t per_group = pb.heads / pb.groups, nq = tk.rows * per_group;
   const int64_t nb = (tk.keys + pb.block - 1) / pb.block;
   const bool direct = nq <= DIRECT_MAX;
@@ -75,7 +142,7 @@ void run_task(const Problem& pb, const Task& tk, std::vector<float>& buf) {
   std::vector<float*> acc_of(nq);  // the query vectors a tile of keys concerns: accumulators and weights
   std::vector<const float*> w_of(nq);
   for (int64_t r = 0; r < tk.rows; ++r) {
-    const int64_t row = tk.row0 + r;
+    const int64_t row = tk.row(r);
     for (int64_t p = 0; p < per_group; ++p) {
       const float* src = pb.q + row * pb.s_q + (tk.group * per_group + p) * DIM;
       float* dst = qs + (r * per_group + p) * DIM;
@@ -87,9 +154,9 @@ void run_task(const Problem& pb, const Task& tk, std::vector<float>& buf) {
   std::fill(m, m + nq, NEG_INF);
   std::fill(l, l + nq, 0.f);
   std::fill(u, u + nq * nb, NEG_INF);
-  const int32_t* pages = pb.bt + pb.reqs[tk.row0] * pb.s_bt;
+  const int32_t* pages = pb.bt + pb.reqs[tk.row(0)] * pb.s_bt;  // a shared prefix: the same pages for all rows
   const float* base = pb.kv + tk.group * pb.s_group;
-  for (int64_t k0 = 0; k0 < tk.keys; k0 += KEYS) {
+  for (int64_t k0 = tk.begin; k0 < tk.keys; k0 += KEYS) {
     const int64_t count = std::min(KEYS, tk.keys - k0);
     // Keys, values and blocks of the tile, with two divisions per tile instead of two per key (and one per key
     // and query vector for the blocks).
@@ -146,44 +213,57 @@ void run_task(const Problem& pb, const Task& tk, std::vector<float>& buf) {
     }
     accumulate_many<DIM>(acc_of.data(), w_of.data(), na, vp, count);  // weights are 0 past each row's position
   }
-  // outputs, Eq. 3 scores (group max over heads) and the top-k of each row
+  if (tk.slot0 >= 0) {  // split rows: the state goes to their slots, merged in `finish_split`
+    for (int64_t r = 0; r < tk.rows; ++r) {
+      float* st = parts.at(tk.slot0 + r, pb.groups, tk.group, tk.part);
+      for (int64_t p = 0; p < per_group; ++p, st += parts.stride) {
+        const int64_t i = r * per_group + p;
+        st[0] = m[i];
+        st[1] = l[i];
+        std::copy(acc + i * DIM, acc + (i + 1) * DIM, st + 2);
+        std::copy(u + i * nb + tk.begin / pb.block, u + (i + 1) * nb, st + 2 + DIM + tk.begin / pb.block);
+      }
+    }
+    return;
+  }
   std::vector<float> score(nb);
   std::vector<int32_t> order(nb);
-  for (int64_t r = 0; r < tk.rows; ++r) {
-    const int64_t row = tk.row0 + r;
-    const int64_t n_vis = pb.pos[row] / pb.block + 1;  // blocks holding at least one visible key
-    std::fill(score.begin(), score.end(), 0.f);
-    for (int64_t p = 0; p < per_group; ++p) {
-      const int64_t i = r * per_group + p;
-      const float inv = 1.f / l[i], lse = m[i] + std::log(l[i]);
-      float* o = pb.out + (row * pb.heads + tk.group * per_group + p) * DIM;
-      for (int d = 0; d < DIM; ++d) o[d] = acc[i * DIM + d] * inv;
-      for (int64_t b = 0; b < n_vis; ++b) score[b] = std::max(score[b], std::exp(u[i * nb + b] - lse));
-    }
-    if (pb.scores != nullptr) {
-      float* sc = pb.scores + (row * pb.groups + tk.group) * pb.n_scores;
-      for (int64_t b = 0; b < pb.n_scores; ++b) sc[b] = b < n_vis ? score[b] : 0.f;
-    }
-    // top-k over the visible blocks: best first, ties to the smaller id; written ascending, -1 padded
-    const int64_t k = std::min(pb.topk, n_vis);
-    std::iota(order.begin(), order.begin() + n_vis, 0);
-    std::partial_sort(order.begin(), order.begin() + k, order.begin() + n_vis, [&](int32_t a, int32_t b) {
-      return score[a] > score[b] || (score[a] == score[b] && a < b);
-    });
-    std::sort(order.begin(), order.begin() + k);
-    int32_t* dst = pb.ids + row * pb.s_ids + tk.group * pb.topk;
-    for (int64_t j = 0; j < pb.topk; ++j) dst[j] = j < k ? order[j] : -1;
+  for (int64_t r = 0; r < tk.rows; ++r)
+    finish_row<DIM>(pb, tk.row(r), tk.group, m + r * per_group, l + r * per_group, acc + r * per_group * DIM,
+                    u + r * per_group * nb, nb, score.data(), order.data());
+}
+
+// A split row's two parts merged by log-sum-exp (block maxima by max), then its outputs and top-k.
+template <int DIM>
+void finish_split(const Problem& pb, Partials& parts, int64_t slot, int64_t group) {
+  const int64_t per_group = pb.heads / pb.groups, nb = parts.nb;
+  std::vector<float> m(per_group), l(per_group), acc(per_group * DIM), u(per_group * nb), score(nb);
+  std::vector<int32_t> order(nb);
+  const float* a = parts.at(slot, pb.groups, group, 0);
+  const float* b = parts.at(slot, pb.groups, group, 1);
+  for (int64_t p = 0; p < per_group; ++p, a += parts.stride, b += parts.stride) {
+    const float mx = std::max(a[0], b[0]);  // finite: the prefix holds keys
+    const float fa = std::exp(a[0] - mx), fb = std::exp(b[0] - mx);
+    m[p] = mx;
+    l[p] = a[1] * fa + b[1] * fb;
+    for (int d = 0; d < DIM; ++d) acc[p * DIM + d] = a[2 + d] * fa + b[2 + d] * fb;
+    for (int64_t x = 0; x < nb; ++x) u[p * nb + x] = std::max(a[2 + DIM + x], b[2 + DIM + x]);
   }
+  finish_row<DIM>(pb, parts.rows[slot], group, m.data(), l.data(), acc.data(), u.data(), nb, score.data(),
+                  order.data());
 }
 
 template <int DIM>
-void run_all(const Problem& pb, const std::vector<Task>& tasks) {
+void run_all(const Problem& pb, const std::vector<Task>& tasks, Partials& parts) {
+  const int64_t merges = static_cast<int64_t>(parts.rows.size()) * pb.groups;
   // dynamic scheduling, longest tasks first: prefill tiles differ in length (causal), decode rows too
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     std::vector<float> buf;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t t = 0; t < static_cast<int64_t>(tasks.size()); ++t) run_task<DIM>(pb, tasks[t], buf);
+    for (int64_t t = 0; t < static_cast<int64_t>(tasks.size()); ++t) run_task<DIM>(pb, tasks[t], parts, buf);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t x = 0; x < merges; ++x) finish_split<DIM>(pb, parts, x / pb.groups, x % pb.groups);
   }
 }
 
@@ -223,18 +303,74 @@ void oracle_tiled(at::Tensor q, at::Tensor kv, at::Tensor block_table, at::Tenso
   // tiles of consecutive rows of one request (a request's rows are contiguous in a vLLM batch)
   const int64_t* rq = pb.reqs;
   const int64_t* ps = pb.pos;
+  const int64_t page = pb.page;
   std::vector<Task> tasks;
+  std::vector<int64_t> singles;  // rows alone in their tile (decode rows): candidates for a shared prefix
   for (int64_t r0 = 0; r0 < n;) {
     int64_t r1 = r0 + 1, last = ps[r0];
     while (r1 < n && r1 - r0 < ORACLE_TILE_ROWS && rq[r1] == rq[r0]) last = std::max(last, ps[r1++]);
-    for (int64_t g = 0; g < groups; ++g) tasks.push_back({r0, r1 - r0, g, last + 1});
+    if (r1 - r0 == 1 && ps[r0] + 1 >= SHARED_MIN_KEYS) {
+      singles.push_back(r0);
+    } else {
+      for (int64_t g = 0; g < groups; ++g) tasks.push_back({r0, r1 - r0, g, 0, last + 1, nullptr, -1, 0});
+    }
     r0 = r1;
   }
-  std::stable_sort(tasks.begin(), tasks.end(),
-                   [](const Task& a, const Task& b) { return a.keys * a.rows > b.keys * b.rows; });
+  // Shared prefixes: the singles in the lexicographic order of their full pages (those before the row's
+  // position: vLLM shares only full pages, and the entries past a request's pages are not its own), so rows
+  // on the same prefix are neighbours; a cluster takes the next row while the pages they share with its first
+  // row hold SHARED_MIN_KEYS keys and at least half of the cluster's prefix so far.
+  const auto full_pages = [&](int64_t row) { return (ps[row] + 1) / page; };
+  const auto table = [&](int64_t row) { return pb.bt + rq[row] * pb.s_bt; };
+  std::sort(singles.begin(), singles.end(), [&](int64_t a, int64_t b) {
+    const int32_t *ta = table(a), *tb = table(b);
+    return std::lexicographical_compare(ta, ta + full_pages(a), tb, tb + full_pages(b)) ||
+           (std::equal(ta, ta + full_pages(a), tb, tb + full_pages(b)) && a < b);
+  });
+  Partials parts;
+  std::vector<std::pair<int64_t, int64_t>> clusters;  // (first slot, prefix pages); the slots' rows in parts.rows
+  for (size_t x = 0; x < singles.size();) {
+    const int64_t lead = singles[x];
+    int64_t shared = full_pages(lead);
+    size_t y = x + 1;
+    for (; y < singles.size(); ++y) {
+      const int32_t* tl = table(lead);
+      const int32_t* ty = table(singles[y]);
+      const int64_t cap = std::min(shared, full_pages(singles[y]));
+      const int64_t common = std::mismatch(tl, tl + cap, ty).first - tl;
+      if (common * page < SHARED_MIN_KEYS || 2 * common < shared) break;
+      shared = common;
+    }
+    if (y - x >= 2) {
+      clusters.push_back({static_cast<int64_t>(parts.rows.size()), shared});
+      parts.rows.insert(parts.rows.end(), singles.begin() + x, singles.begin() + y);
+    } else {
+      for (int64_t g = 0; g < groups; ++g) tasks.push_back({lead, 1, g, 0, ps[lead] + 1, nullptr, -1, 0});
+    }
+    x = y;
+  }
+  clusters.push_back({static_cast<int64_t>(parts.rows.size()), 0});  // the end of the last cluster
+  int64_t nb_split = 0;
+  for (const int64_t row : parts.rows) nb_split = std::max(nb_split, ps[row] / block + 1);
+  parts.init(groups, heads / groups, dim, nb_split);
+  for (size_t c = 0; c + 1 < clusters.size(); ++c) {
+    const int64_t slot0 = clusters[c].first, slot1 = clusters[c + 1].first, keys = clusters[c].second * page;
+    for (int64_t s0 = slot0; s0 < slot1; s0 += ORACLE_TILE_ROWS) {  // the prefix, once per tile of its rows
+      const int64_t rows = std::min(ORACLE_TILE_ROWS, slot1 - s0);
+      for (int64_t g = 0; g < groups; ++g) tasks.push_back({-1, rows, g, 0, keys, parts.rows.data() + s0, s0, 0});
+    }
+    for (int64_t s = slot0; s < slot1; ++s) {  // each row's own tail (none when its keys end with the prefix)
+      const int64_t row = parts.rows[s];
+      if (ps[row] + 1 > keys)
+        for (int64_t g = 0; g < groups; ++g) tasks.push_back({row, 1, g, keys, ps[row] + 1, nullptr, s, 1});
+    }
+  }
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) {
+    return (a.keys - a.begin) * a.rows > (b.keys - b.begin) * b.rows;
+  });
   switch (dim) {
 #define HYSPARSE_DIM(D) \
-  case D: run_all<D>(pb, tasks); break;
+  case D: run_all<D>(pb, tasks, parts); break;
     HYSPARSE_TILE_DIMS(HYSPARSE_DIM)
 #undef HYSPARSE_DIM
     default: TORCH_CHECK(false, "oracle_tiled: head dim ", dim, " not compiled (see supported_dims)");

@@ -77,3 +77,39 @@ def test_tiled_index_buffer_rows_keep_their_stride():
     assert ids.data_ptr() == buffer.data_ptr()
     assert (buffer[:n] == ref[1][:n]).float().mean() > 0.98
     assert (buffer[n:q.shape[0]] == -1).all() and (buffer[q.shape[0]:] == POISON).all()
+
+
+# Decode rows on shared prefixes (vLLM's prefix cache gives requests the same leading pages): request -> (the
+# request whose pages it starts with, how many). Request 0 is a prefill run. Requests 1-5 share 5 pages of
+# request 1 (request 4's context ends where the prefix does: no tail of its own; request 5 shares only 3
+# of them, which still holds half the cluster's prefix); requests 6 and 7 share 2 pages; request 8 shares none.
+SHARED = [
+    (Case([20, 1, 1, 1, 1, 1, 1, 1, 1], [20, 400, 330, 371, 320, 290, 130, 150, 200], num_heads=12, num_kv_heads=4,
+          head_dim=64, block_size=64, topk=3, page_size=64, pad_tokens=2),
+     {2: (1, 5), 3: (1, 5), 4: (1, 5), 5: (1, 3), 7: (6, 2)}),
+    # pages shorter than a block (the block at the prefix's end is split between the two parts), MQA, k = 16
+    (Case([1, 1, 1, 1], [1100, 700, 1060, 97], num_heads=8, num_kv_heads=1, head_dim=64, block_size=64, topk=16,
+          page_size=16), {1: (0, 40), 2: (0, 63)}),
+    # pages longer than a block
+    (Case([1, 1, 1], [300, 260, 299], num_heads=4, num_kv_heads=2, head_dim=32, block_size=16, topk=4,
+          page_size=128), {1: (0, 2), 2: (0, 2)}),
+]
+
+
+@pytest.mark.parametrize("case, shares", SHARED, ids=[str(c) for c, _ in SHARED])
+def test_tiled_shared_prefix(case, shares):
+    """Rows whose block tables start with the same pages are walked once for the prefix, then per row: the
+    same outputs, scores and selections as the naive twin reading each row's own pages."""
+    seed = 2000 + [c for c, _ in SHARED].index(case)
+    print(f"seed {seed}")
+    batch, q = orc.make_inputs(case, torch.float32, seed=seed)
+    for req, (src, pages) in shares.items():
+        assert pages * case.page_size <= min(case.seq_lens[req], case.seq_lens[src])
+        batch.block_table[req, :pages] = batch.block_table[src, :pages]
+    ref = orc.run(oracle_attention_naive, batch, q, case)
+    got = run_tiled(case, batch, q)
+    orc.check_against_naive(case, torch.float32, got, ref, batch)
+    n = sum(batch.q_lens)
+    matched = (got[1][:n] == ref[1][:n]).float().mean().item()
+    print(f"ids equal to the naive twin's: {matched:.4f}")
+    assert matched > 0.98
