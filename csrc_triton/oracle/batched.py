@@ -40,6 +40,9 @@ def select_blocks(z, lse, limit, sparse_block_size: int, topk: int):
     return ids.view(b, r, g, topk)
 
 
+NO_LOGITS = torch.empty(0)  # the kernel's logits / lse outputs, not asked for (the token oracle asks)
+
+
 def tiled_kernel(q, k_cache, v_cache):
     """`(module, pages)` of the C++ tiled oracle for these inputs, or None where it does not apply."""
     base = cpu_kernel_pages(k_cache, v_cache)
@@ -81,7 +84,7 @@ def oracle_attention_batched(q, k_cache, v_cache, block_table, query_start_loc, 
         num_scores = -(-int(seq_lens.max()) // sparse_block_size) if return_block_scores and n else 0
         scores = torch.zeros(q.shape[0] if num_scores else 0, k_cache.shape[1], num_scores)
         ext.oracle_tiled(rows, base, block_table, plan.row_req, plan.row_pos, sparse_block_size, topk, scale, o, ids,
-                         scores[:n])
+                         scores[:n], NO_LOGITS, NO_LOGITS)
         if o.data_ptr() != out.data_ptr():
             out[:n] = o
         if ids.data_ptr() != indices.data_ptr():

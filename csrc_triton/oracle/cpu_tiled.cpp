@@ -52,7 +52,9 @@ struct Problem {
   float* out;           // [N, H, D]
   int32_t* ids;         // [N, G, topk] at row stride s_ids
   float* scores;        // [N, G, n_scores] or nullptr
-  int64_t heads, groups, page, block, topk, n_scores, s_page, s_group, s_tok, s_bt, s_q, s_ids;
+  float* logits;        // [N, H, max_len] or nullptr: the token oracle's logits (-inf past each row's position)
+  float* lse;           // [N, H] with logits
+  int64_t heads, groups, page, block, topk, n_scores, max_len, s_page, s_group, s_tok, s_bt, s_q, s_ids;
   float scale;
 };
 
@@ -104,6 +106,12 @@ void finish_row(const Problem& pb, int64_t row, int64_t group, const float* m, c
     float* o = pb.out + (row * pb.heads + group * per_group + p) * DIM;
     for (int d = 0; d < DIM; ++d) o[d] = acc[p * DIM + d] * inv;
     for (int64_t b = 0; b < n_vis; ++b) score[b] = std::max(score[b], std::exp(u[p * nb + b] - lse));
+    if (pb.logits != nullptr) {
+      const int64_t h = group * per_group + p;
+      pb.lse[row * pb.heads + h] = lse;
+      float* z = pb.logits + (row * pb.heads + h) * pb.max_len;
+      std::fill(z + pb.pos[row] + 1, z + pb.max_len, NEG_INF);
+    }
   }
   if (pb.scores != nullptr) {
     float* sc = pb.scores + (row * pb.groups + group) * pb.n_scores;
@@ -206,6 +214,10 @@ void run_task(const Problem& pb, const Task& tk, Partials& parts, std::vector<fl
           mt = std::max(mt, mb);
         }
       }
+      if (pb.logits != nullptr) {  // the token oracle ranks keys by their exact logits
+        const int64_t r = i / per_group, h = tk.group * per_group + i % per_group;
+        std::copy(si, si + visible, pb.logits + (tk.row(r) * pb.heads + h) * pb.max_len + k0);
+      }
       // the whole tile at once; exactly 0 past the row's position
       online_rescale<DIM>(mt, exp_tile(si, mt), m[i], l[i], acc + i * DIM);
       acc_of[na] = acc + i * DIM;
@@ -270,10 +282,12 @@ void run_all(const Problem& pb, const std::vector<Task>& tasks, Partials& parts)
 // q [N, H, D] (rows with a contiguous last dim), kv [pages, G, page, 2D] float32 (K then V);
 // reqs, pos [N] int64 (each row's request and position). Writes out [N, H, D] (contiguous float32),
 // ids [N, G, topk] int32 (contiguous last two dims; e.g. a view of the index buffer) and, when
-// `scores` is not empty, the block scores [N, G, n_scores] (0 past each row's visible blocks).
+// `scores` is not empty, the block scores [N, G, n_scores] (0 past each row's visible blocks). When `logits`
+// is not empty: the logits [N, H, max_len] (-inf past each row's position) and lse [N, H] as well, for the
+// token oracle's selection (topk 0 and one block then make the rest nearly free).
 void oracle_tiled(at::Tensor q, at::Tensor kv, at::Tensor block_table, at::Tensor reqs,
                   at::Tensor pos, int64_t block, int64_t topk, double scale, at::Tensor out,
-                  at::Tensor ids, at::Tensor scores) {
+                  at::Tensor ids, at::Tensor scores, at::Tensor logits, at::Tensor lse) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1 && q.stride(1) == q.size(2),
               "q: expected [N, H, D] float32 with contiguous heads");
   TORCH_CHECK(kv.dim() == 4 && kv.scalar_type() == at::kFloat && kv.stride(3) == 1,
@@ -289,17 +303,28 @@ void oracle_tiled(at::Tensor q, at::Tensor kv, at::Tensor block_table, at::Tenso
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == n &&
                   out.size(1) == heads && out.size(2) == dim, "out: expected contiguous [N, H, D] float32");
   TORCH_CHECK(ids.scalar_type() == at::kInt && ids.dim() == 3 && ids.size(0) == n && ids.size(1) == groups &&
-                  ids.size(2) == topk && ids.stride(2) == 1 && ids.stride(1) == topk,
+                  ids.size(2) == topk && (topk == 0 || (ids.stride(2) == 1 && ids.stride(1) == topk)),
               "ids: expected [N, G, topk] int32 with contiguous (G, topk) dims");
   const bool has_scores = scores.numel() > 0;
   if (has_scores)
     TORCH_CHECK(scores.scalar_type() == at::kFloat && scores.is_contiguous() && scores.size(0) == n &&
                     scores.size(1) == groups, "scores: expected contiguous [N, G, NB] float32");
+  const bool has_logits = logits.numel() > 0;
+  if (has_logits) {
+    TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.is_contiguous() && logits.dim() == 3 &&
+                    logits.size(0) == n && logits.size(1) == heads, "logits: expected contiguous [N, H, L] float32");
+    TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.numel() == n * heads,
+                "lse: expected contiguous [N, H] float32");
+    const int64_t* ps = pos.data_ptr<int64_t>();
+    TORCH_CHECK(n == 0 || *std::max_element(ps, ps + n) < logits.size(2),
+                "logits: a row's position is past their last column");
+  }
   const Problem pb{q.data_ptr<float>(), kv.data_ptr<float>(), block_table.data_ptr<int32_t>(),
                    reqs.data_ptr<int64_t>(), pos.data_ptr<int64_t>(), out.data_ptr<float>(), ids.data_ptr<int32_t>(),
-                   has_scores ? scores.data_ptr<float>() : nullptr, heads, groups, kv.size(2), block, topk,
-                   has_scores ? scores.size(2) : 0, kv.stride(0), kv.stride(1), kv.stride(2),
-                   block_table.stride(0), q.stride(0), ids.stride(0), static_cast<float>(scale)};
+                   has_scores ? scores.data_ptr<float>() : nullptr, has_logits ? logits.data_ptr<float>() : nullptr,
+                   has_logits ? lse.data_ptr<float>() : nullptr, heads, groups, kv.size(2), block, topk,
+                   has_scores ? scores.size(2) : 0, has_logits ? logits.size(2) : 0, kv.stride(0), kv.stride(1),
+                   kv.stride(2), block_table.stride(0), q.stride(0), ids.stride(0), static_cast<float>(scale)};
   // tiles of consecutive rows of one request (a request's rows are contiguous in a vLLM batch)
   const int64_t* rq = pb.reqs;
   const int64_t* ps = pb.pos;
@@ -386,7 +411,7 @@ static std::vector<int64_t> supported_dims() { return {HYSPARSE_TILE_DIMS(HYSPAR
 TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   // Oracle attention of every row over its request's pages, one tiled pass, top-k blocks of Eq. 3.
   m.def("oracle_tiled(Tensor q, Tensor kv, Tensor block_table, Tensor reqs, Tensor pos, int block, int topk, "
-        "float scale, Tensor(a!) out, Tensor(b!) ids, Tensor(c!) scores) -> ()");
+        "float scale, Tensor(a!) out, Tensor(b!) ids, Tensor(c!) scores, Tensor(d!) logits, Tensor(e!) lse) -> ()");
   // The head dims the switch above compiles.
   m.def("supported_dims() -> int[]", &supported_dims);
 }

@@ -40,12 +40,17 @@ def prefill_path(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture(params=["cpp", "torch"])
+@pytest.fixture(params=["tiled", "onepass", "torch"])
 def decode_path(request, monkeypatch):
-    """Decode rows of the oracles: the C++ kernel (float32, interleaved pages) or the gathered PyTorch path."""
-    if request.param == "cpp":
-        assert cpu_ext.load() is not None, "the C++ CPU kernel must build here (see csrc_triton/cpu_ext.py)"
-    else:
+    """Decode rows of the oracles: the C++ kernels (float32, interleaved pages), tiled (`oracle/cpu_tiled.cpp`)
+    or, where that one is not built, one-pass (`oracle/cpu_decode.cpp`), or the gathered PyTorch path."""
+    load = cpu_ext.load
+    if request.param != "torch":
+        assert load(request.param == "tiled" and "oracle_tiled" or "oracle_decode") is not None, \
+            "the C++ CPU kernels must build here (see csrc_triton/cpu_ext.py)"
+    if request.param == "onepass":
+        monkeypatch.setattr(cpu_ext, "load", lambda name="oracle_decode": None if name == "oracle_tiled" else load(name))
+    elif request.param == "torch":
         monkeypatch.setattr(cpu_ext, "load", lambda name="oracle_decode": None)
     return request.param
 
@@ -97,6 +102,20 @@ def test_token_oracle(case, dtype, reduce, decode_path):
     got = tor.run(token_oracle_attention_batched, batch, q, case, reduce, out=out)
     assert got[0] is out
     tor.check_against_naive(case, dtype, reduce, got, ref, batch, q)
+
+
+@pytest.mark.parametrize("reduce", ["max", "sum"])
+def test_token_oracle_shared_prefix(reduce, decode_path):
+    """Decode rows whose block tables start with the same pages (vLLM's prefix cache): the tiled kernel walks
+    the prefix once for all of them; the same outputs and selections as the naive twin."""
+    case = tor.Case([1, 1, 1, 1, 1], [200, 180, 130, 97, 64], num_heads=6, num_kv_heads=2, head_dim=32,
+                    page_size=16, topk=20, window=8)
+    batch, q = tor.make_inputs(case, torch.float32, seed=31)
+    for req, pages in {1: 11, 2: 8, 4: 4}.items():  # request 4's context is the 4 shared pages: no tail
+        batch.block_table[req, :pages] = batch.block_table[0, :pages]
+    ref = tor.run(token_oracle_attention_naive, batch, q, case, reduce)
+    got = tor.run(token_oracle_attention_batched, batch, q, case, reduce, out=nan_like(q))
+    tor.check_against_naive(case, torch.float32, reduce, got, ref, batch, q)
 
 
 @pytest.mark.parametrize("reduce", ["max", "sum"])
