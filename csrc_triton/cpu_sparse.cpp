@@ -67,6 +67,9 @@ typedef uint64_t RowMask;
 
 struct SparseTask {
   int64_t row0, rows, group, cost;
+  const int64_t* row_ids;  // rows on a shared prefix (not consecutive): row_ids[r], else row0 + r
+  int64_t shared;          // keys [0, shared) sit at the same pages for every row (row(0)'s block table)
+  int64_t row(int64_t r) const { return row_ids != nullptr ? row_ids[r] : row0 + r; }
 };
 
 struct TileScratch {
@@ -83,41 +86,43 @@ struct TileScratch {
 template <int DIM>
 void sparse_tile(const SparseProblem& pb, const SparseTask& tk, TileScratch& sc) {
   const int64_t per_group = pb.heads / pb.groups, nq = tk.rows * per_group;
-  const int64_t* pos = pb.pos + tk.row0;
+  int64_t pos[SPARSE_TILE_ROWS];
   int64_t last = -1;  // the tile's largest position
-  for (int64_t r = 0; r < tk.rows; ++r) last = std::max(last, pos[r]);
+  for (int64_t r = 0; r < tk.rows; ++r) last = std::max(last, pos[r] = pb.pos[tk.row(r)]);
   if (last < 0) last = 0;
   const int64_t nb = last / pb.span + 1;  // runs that may hold a key visible to some row
   sc.who.assign(nb, 0u);
   for (int64_t r = 0; r < tk.rows; ++r) {
-    const int32_t* sel = pb.ids + ((tk.row0 + r) * pb.groups + tk.group) * pb.width;
+    const int32_t* sel = pb.ids + (tk.row(r) * pb.groups + tk.group) * pb.width;
     for (int64_t s = 0; s < pb.width; ++s)
       if (sel[s] >= 0 && sel[s] * pb.span <= pos[r]) sc.who[sel[s]] |= RowMask{1} << r;
   }
-  // The union's keys with their masks and page addresses, built once per tile. Positions ascend, so the page is
-  // advanced incrementally: an integer division per key (three, before) cost more than scoring it.
-  const int32_t* pages = pb.bt + pb.reqs[tk.row0] * pb.s_bt;
-  const float* base = pb.kv + tk.group * pb.s_group;
+  // The union's keys with their masks and page addresses, built once per tile: the keys before `tk.shared` once
+  // for all rows that selected them, then each row's own keys past it (at its own pages). Positions ascend within
+  // each part, so the page is advanced incrementally: an integer division per key (three, before) cost more than
+  // scoring it.
   sc.keys.clear();
   sc.masks.clear();
   sc.kp.clear();
-  int64_t pg = 0, pg_start = 0;  // the page holding positions [pg_start, pg_start + page)
-  for (int64_t b = 0; b < nb; ++b) {
-    if (sc.who[b] == 0) continue;
-    const int64_t t0 = b * pb.span, stop = std::min((b + 1) * pb.span, last + 1);
-    if (t0 - pg_start >= pb.page) {
-      pg = t0 / pb.page;
-      pg_start = pg * pb.page;
-    }
+  const float* base = pb.kv + tk.group * pb.s_group;
+  const auto add_run = [&](const int32_t* pages, int64_t t0, int64_t stop, RowMask mask) {
+    int64_t pg = t0 / pb.page, off = t0 - pg * pb.page;
     for (int64_t t = t0; t < stop; ++t) {
-      if (t - pg_start == pb.page) {
-        ++pg;
-        pg_start += pb.page;
-      }
       sc.keys.push_back(t);
-      sc.masks.push_back(sc.who[b]);
-      sc.kp.push_back(base + pages[pg] * pb.s_page + (t - pg_start) * pb.s_tok);
+      sc.masks.push_back(mask);
+      sc.kp.push_back(base + pages[pg] * pb.s_page + off * pb.s_tok);
+      if (++off == pb.page) off = 0, ++pg;
     }
+  };
+  const int32_t* pages = pb.bt + pb.reqs[tk.row(0)] * pb.s_bt;
+  for (int64_t b = 0; b < nb && b * pb.span < tk.shared; ++b)
+    if (sc.who[b] != 0) add_run(pages, b * pb.span, std::min({(b + 1) * pb.span, last + 1, tk.shared}), sc.who[b]);
+  for (int64_t r = 0; r < tk.rows && last + 1 > tk.shared; ++r) {
+    const RowMask bit = RowMask{1} << r;
+    const int32_t* own = pb.bt + pb.reqs[tk.row(r)] * pb.s_bt;
+    for (int64_t b = std::max<int64_t>(tk.shared / pb.span, 0); b < nb; ++b)
+      if (sc.who[b] & bit)
+        add_run(own, std::max(b * pb.span, tk.shared), std::min((b + 1) * pb.span, pos[r] + 1), bit);
   }
   const size_t need = 2 * nq * DIM + DIM * KEYS + nq * KEYS + nq * DIM + 2 * nq;
   if (sc.buf.size() < need) sc.buf.resize(need);
@@ -136,7 +141,7 @@ void sparse_tile(const SparseProblem& pb, const SparseTask& tk, TileScratch& sc)
   const float** w_of = sc.w_of.data();
   const float* vp[KEYS];
   for (int64_t r = 0; r < tk.rows; ++r) {
-    const float* src = pb.q + ((tk.row0 + r) * pb.heads + tk.group * per_group) * DIM;
+    const float* src = pb.q + (tk.row(r) * pb.heads + tk.group * per_group) * DIM;
     for (int64_t i = 0; i < per_group * DIM; ++i) qs[r * per_group * DIM + i] = src[i] * pb.scale;
   }
   std::fill(acc, acc + nq * DIM, 0.f);
@@ -150,9 +155,11 @@ void sparse_tile(const SparseProblem& pb, const SparseTask& tk, TileScratch& sc)
     const RowMask* kmask = sc.masks.data() + c0;
     const float* const* kp = sc.kp.data() + c0;
     RowMask rows = 0, every = ~RowMask{0};  // rows that selected some / every key of the tile
-    for (int64_t j = 0; j < count; ++j) rows |= kmask[j], every &= kmask[j];
+    int64_t first = key[0], final = key[0];  // the tile's smallest and largest positions (parts restart)
+    for (int64_t j = 0; j < count; ++j)
+      rows |= kmask[j], every &= kmask[j], first = std::min(first, key[j]), final = std::max(final, key[j]);
     for (int64_t r = 0; r < tk.rows; ++r)
-      if (pos[r] < key[0]) rows &= ~(RowMask{1} << r);  // keys ascend: this row sees none of them
+      if (pos[r] < first) rows &= ~(RowMask{1} << r);  // this row sees none of them
     if (rows == 0) continue;
     int64_t na = 0;
     for (int64_t r = 0; r < tk.rows; ++r)
@@ -177,7 +184,7 @@ void sparse_tile(const SparseProblem& pb, const SparseTask& tk, TileScratch& sc)
       const RowMask bit = RowMask{1} << r;
       float* si = s + a * KEYS;
       float mt = m[i];
-      if (count == KEYS && (every & bit) && key[KEYS - 1] <= pos[r]) {  // most prefill tiles: every key attended
+      if (count == KEYS && (every & bit) && final <= pos[r]) {  // most prefill tiles: every key attended
         mt = std::max(mt, max_tile(si));
       } else {
         bool any = false;
@@ -197,7 +204,7 @@ void sparse_tile(const SparseProblem& pb, const SparseTask& tk, TileScratch& sc)
     accumulate_many<DIM>(acc_of, w_of, nw, vp, count);
   }
   for (int64_t i = 0; i < nq; ++i)
-    store_row(pb, tk.row0 + i / per_group, tk.group * per_group + i % per_group, DIM, m[i], l[i], acc + i * DIM);
+    store_row(pb, tk.row(i / per_group), tk.group * per_group + i % per_group, DIM, m[i], l[i], acc + i * DIM);
 }
 
 template <int DIM>
@@ -211,14 +218,28 @@ void sparse_tiled(const SparseProblem& pb, const std::vector<SparseTask>& tasks)
 }
 
 // Tasks of `sparse_tiled`: tiles of consecutive rows of one request (a request's rows are contiguous in a vLLM
-// batch), per KV group, costliest first.
-std::vector<SparseTask> sparse_tasks_of(const SparseProblem& pb, int64_t n) {
+// batch), per KV group, costliest first. Rows alone in their tile (decode rows) on a shared prefix (see
+// `prefix_clusters`) share a task: the keys they selected in the prefix are loaded once for all of them.
+// `clustered` keeps those rows in cluster order (the tasks point into it).
+std::vector<SparseTask> sparse_tasks_of(const SparseProblem& pb, int64_t n, std::vector<int64_t>& clustered) {
+  constexpr int64_t ALL = std::numeric_limits<int64_t>::max();
   std::vector<SparseTask> tasks;
   for (int64_t r0 = 0; r0 < n;) {
     int64_t r1 = r0 + 1;
     while (r1 < n && r1 - r0 < SPARSE_TILE_ROWS && pb.reqs[r1] == pb.reqs[r0]) ++r1;
-    for (int64_t g = 0; g < pb.groups; ++g) tasks.push_back({r0, r1 - r0, g, (r1 - r0) * pb.width});
+    if (r1 - r0 == 1 && pb.pos[r0] + 1 >= SHARED_MIN_KEYS) {
+      clustered.push_back(r0);
+    } else {
+      for (int64_t g = 0; g < pb.groups; ++g) tasks.push_back({r0, r1 - r0, g, (r1 - r0) * pb.width, nullptr, ALL});
+    }
     r0 = r1;
+  }
+  for (const PrefixCluster& c : prefix_clusters(clustered, pb.bt, pb.s_bt, pb.reqs, pb.pos, pb.page, SHARED_MIN_KEYS)) {
+    for (int64_t x = c.first; x < c.first + c.rows; x += SPARSE_TILE_ROWS) {
+      const int64_t rows = std::min(SPARSE_TILE_ROWS, c.first + c.rows - x);
+      for (int64_t g = 0; g < pb.groups; ++g)
+        tasks.push_back({clustered[x], rows, g, rows * pb.width, clustered.data() + x, c.pages * pb.page});
+    }
   }
   std::stable_sort(tasks.begin(), tasks.end(), [](const SparseTask& a, const SparseTask& b) { return a.cost > b.cost; });
   return tasks;
@@ -255,9 +276,10 @@ at::Tensor paged_sparse(at::Tensor q, at::Tensor kv, at::Tensor block_table, at:
                          kv.size(2), ids.size(2), span, kv.stride(0), kv.stride(1), kv.stride(2),
                          block_table.stride(0), static_cast<float>(scale)};
   TORCH_CHECK(heads / groups <= 64, "paged_sparse: at most 64 query heads per KV group");
+  std::vector<int64_t> clustered;  // decode rows in shared-prefix order; tasks point into it
   switch (dim) {
 #define HYSPARSE_DIM(D) \
-  case D: sparse_tiled<D>(pb, sparse_tasks_of(pb, n)); break;
+  case D: sparse_tiled<D>(pb, sparse_tasks_of(pb, n, clustered)); break;
     HYSPARSE_TILE_DIMS(HYSPARSE_DIM)
 #undef HYSPARSE_DIM
     default: TORCH_CHECK(false, "paged_sparse: head dim ", dim, " not compiled (see supported_dims)");

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <vector>
 
 namespace {
 
@@ -292,6 +293,48 @@ inline void online_rescale(float mt, float sum, float& m, float& l, float* acc) 
   m = mt;
   if (rescale != 1.f)
     for (int d = 0; d < DIM; ++d) acc[d] *= rescale;
+}
+
+// Rows on a shared prefix (decode rows of requests that vLLM's prefix cache gave the same leading pages):
+// `rows` (single-row tasks' rows) are reordered in place so that each cluster's rows are consecutive, and the
+// clusters come back as (first index into `rows`, rows, shared pages). Rows are sorted by their full pages
+// (those before the row's position: vLLM shares only full pages, and the entries past a request's pages are
+// not its own), so rows on one prefix are neighbours; a cluster takes the next row while the pages it shares
+// with the cluster's first row hold `min_keys` keys and at least half of the cluster's prefix so far. A
+// cluster of one row shares nothing.
+// A shared prefix is walked once for all its rows only when it holds at least this many keys (below that, the
+// extra bookkeeping costs more than the keys it saves).
+constexpr int64_t SHARED_MIN_KEYS = 32;
+
+struct PrefixCluster {
+  int64_t first, rows, pages;
+};
+
+inline std::vector<PrefixCluster> prefix_clusters(std::vector<int64_t>& rows, const int32_t* bt, int64_t s_bt,
+                                                  const int64_t* reqs, const int64_t* pos, int64_t page,
+                                                  int64_t min_keys) {
+  const auto full_pages = [&](int64_t row) { return (pos[row] + 1) / page; };
+  const auto table = [&](int64_t row) { return bt + reqs[row] * s_bt; };
+  std::sort(rows.begin(), rows.end(), [&](int64_t a, int64_t b) {
+    const int32_t *ta = table(a), *tb = table(b);
+    return std::lexicographical_compare(ta, ta + full_pages(a), tb, tb + full_pages(b)) ||
+           (std::equal(ta, ta + full_pages(a), tb, tb + full_pages(b)) && a < b);
+  });
+  std::vector<PrefixCluster> clusters;
+  for (size_t x = 0; x < rows.size();) {
+    const int32_t* tl = table(rows[x]);
+    int64_t shared = full_pages(rows[x]);
+    size_t y = x + 1;
+    for (; y < rows.size(); ++y) {
+      const int32_t* ty = table(rows[y]);
+      const int64_t common = std::mismatch(tl, tl + std::min(shared, full_pages(rows[y])), ty).first - tl;
+      if (common * page < min_keys || 2 * common < shared) break;
+      shared = common;
+    }
+    clusters.push_back({static_cast<int64_t>(x), static_cast<int64_t>(y - x), y - x >= 2 ? shared : 0});
+    x = y;
+  }
+  return clusters;
 }
 
 // The head dims the tiled kernels compile, for their switches and for Python (`supported_dims`).

@@ -58,10 +58,6 @@ struct Problem {
   float scale;
 };
 
-// A shared prefix is walked once for all its rows only when it holds at least this many keys (below that, the
-// extra merge costs more than the keys it saves).
-constexpr int64_t SHARED_MIN_KEYS = 32;
-
 struct Task {
   int64_t row0, rows, group;
   int64_t begin, keys;     // keys [begin, keys): keys is the tile's longest context (its largest position + 1)
@@ -341,38 +337,17 @@ void oracle_tiled(at::Tensor q, at::Tensor kv, at::Tensor block_table, at::Tenso
     }
     r0 = r1;
   }
-  // Shared prefixes: the singles in the lexicographic order of their full pages (those before the row's
-  // position: vLLM shares only full pages, and the entries past a request's pages are not its own), so rows
-  // on the same prefix are neighbours; a cluster takes the next row while the pages they share with its first
-  // row hold SHARED_MIN_KEYS keys and at least half of the cluster's prefix so far.
-  const auto full_pages = [&](int64_t row) { return (ps[row] + 1) / page; };
-  const auto table = [&](int64_t row) { return pb.bt + rq[row] * pb.s_bt; };
-  std::sort(singles.begin(), singles.end(), [&](int64_t a, int64_t b) {
-    const int32_t *ta = table(a), *tb = table(b);
-    return std::lexicographical_compare(ta, ta + full_pages(a), tb, tb + full_pages(b)) ||
-           (std::equal(ta, ta + full_pages(a), tb, tb + full_pages(b)) && a < b);
-  });
+  // Shared prefixes (see `prefix_clusters`): a cluster's rows get consecutive slots
   Partials parts;
   std::vector<std::pair<int64_t, int64_t>> clusters;  // (first slot, prefix pages); the slots' rows in parts.rows
-  for (size_t x = 0; x < singles.size();) {
-    const int64_t lead = singles[x];
-    int64_t shared = full_pages(lead);
-    size_t y = x + 1;
-    for (; y < singles.size(); ++y) {
-      const int32_t* tl = table(lead);
-      const int32_t* ty = table(singles[y]);
-      const int64_t cap = std::min(shared, full_pages(singles[y]));
-      const int64_t common = std::mismatch(tl, tl + cap, ty).first - tl;
-      if (common * page < SHARED_MIN_KEYS || 2 * common < shared) break;
-      shared = common;
-    }
-    if (y - x >= 2) {
-      clusters.push_back({static_cast<int64_t>(parts.rows.size()), shared});
-      parts.rows.insert(parts.rows.end(), singles.begin() + x, singles.begin() + y);
+  for (const PrefixCluster& c : prefix_clusters(singles, pb.bt, pb.s_bt, rq, ps, page, SHARED_MIN_KEYS)) {
+    if (c.rows >= 2) {
+      clusters.push_back({static_cast<int64_t>(parts.rows.size()), c.pages});
+      parts.rows.insert(parts.rows.end(), singles.begin() + c.first, singles.begin() + c.first + c.rows);
     } else {
-      for (int64_t g = 0; g < groups; ++g) tasks.push_back({lead, 1, g, 0, ps[lead] + 1, nullptr, -1, 0});
+      const int64_t row = singles[c.first];
+      for (int64_t g = 0; g < groups; ++g) tasks.push_back({row, 1, g, 0, ps[row] + 1, nullptr, -1, 0});
     }
-    x = y;
   }
   clusters.push_back({static_cast<int64_t>(parts.rows.size()), 0});  // the end of the last cluster
   int64_t nb_split = 0;

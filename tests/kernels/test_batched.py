@@ -186,6 +186,31 @@ def test_sparse_tall_prefill(family, use_sinks):
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
+# Decode rows on shared prefixes (vLLM's prefix cache gives requests the same leading pages): request -> (the
+# request whose pages it starts with, how many). The C++ kernel loads the keys they selected in the prefix once
+# for all of them, and each row's keys past it from its own pages; one row's context ends with the prefix.
+SHARED = {"block": (bs.Case([7, 1, 1, 1, 1, 1], [7, 300, 260, 290, 128, 40], num_heads=6, num_kv_heads=2,
+                            block_size=16, topk=6), {2: (1, 12), 3: (1, 12), 4: (1, 8), 5: (1, 2)}),
+          "token": (ts.Case([1, 1, 1, 1], [230, 200, 161, 90], window=6, topk=40), {1: (0, 12), 2: (0, 10)})}
+
+
+@pytest.mark.parametrize("family", list(SHARED))
+@pytest.mark.parametrize("use_sinks", [False, True])
+def test_sparse_shared_prefix(family, use_sinks):
+    assert cpu_ext.load("sparse") is not None, "the C++ CPU kernel must build here (see csrc_triton/cpu_ext.py)"
+    module, selection, naive, batched = SPARSE[family]
+    case, shares = SHARED[family]
+    batch, q, sinks = module.make_inputs(case, torch.float32, seed=37)
+    for req, (src, pages) in shares.items():
+        assert pages * case.page_size <= min(case.seq_lens[req], case.seq_lens[src])
+        batch.block_table[req, :pages] = batch.block_table[src, :pages]
+    sinks = sinks if use_sinks else None
+    ids = selection(batch, case, 37)
+    ref = module.run(naive, batch, q, ids, case, sinks)
+    got = module.run(batched, batch, q, ids, case, sinks, out=nan_like(q))
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
 def test_block_sparse_all_blocks_is_dense_causal(prefill_path):
     case = bs.CASES[4]
     batch, q, sinks = bs.make_inputs(case, torch.float32, seed=3)
