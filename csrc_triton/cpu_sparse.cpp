@@ -234,11 +234,35 @@ std::vector<SparseTask> sparse_tasks_of(const SparseProblem& pb, int64_t n, std:
     }
     r0 = r1;
   }
+  std::vector<int64_t> seen;  // per selection id: the last (row tile, group) that counted it
   for (const PrefixCluster& c : prefix_clusters(clustered, pb.bt, pb.s_bt, pb.reqs, pb.pos, pb.page, SHARED_MIN_KEYS)) {
+    const int64_t shared = c.pages * pb.page;
     for (int64_t x = c.first; x < c.first + c.rows; x += SPARSE_TILE_ROWS) {
       const int64_t rows = std::min(SPARSE_TILE_ROWS, c.first + c.rows - x);
-      for (int64_t g = 0; g < pb.groups; ++g)
-        tasks.push_back({clustered[x], rows, g, rows * pb.width, clustered.data() + x, c.pages * pb.page});
+      for (int64_t g = 0; g < pb.groups; ++g) {
+        // One task pays only where the rows selected the same keys: every key of the union is scored for each
+        // row a tile of it concerns, so rows that picked different blocks (random weights do) lose more to the
+        // masked scores than they gain from the shared loads. Shared when each id in the prefix serves two
+        // rows on average, else a task per row.
+        int64_t total = 0, distinct = 0;
+        if (rows >= 2) {
+          seen.resize(shared / pb.span + 1, -1);
+          const int64_t stamp = x * pb.groups + g;
+          for (int64_t r = x; r < x + rows; ++r) {
+            const int32_t* sel = pb.ids + (clustered[r] * pb.groups + g) * pb.width;
+            for (int64_t k = 0; k < pb.width; ++k)
+              if (sel[k] >= 0 && sel[k] * pb.span < shared) {
+                ++total;
+                if (seen[sel[k]] != stamp) seen[sel[k]] = stamp, ++distinct;
+              }
+          }
+        }
+        if (rows >= 2 && total >= 2 * distinct) {
+          tasks.push_back({clustered[x], rows, g, rows * pb.width, clustered.data() + x, shared});
+        } else {
+          for (int64_t r = x; r < x + rows; ++r) tasks.push_back({clustered[r], 1, g, pb.width, nullptr, ALL});
+        }
+      }
     }
   }
   std::stable_sort(tasks.begin(), tasks.end(), [](const SparseTask& a, const SparseTask& b) { return a.cost > b.cost; });

@@ -196,7 +196,10 @@ SHARED = {"block": (bs.Case([7, 1, 1, 1, 1, 1], [7, 300, 260, 290, 128, 40], num
 
 @pytest.mark.parametrize("family", list(SHARED))
 @pytest.mark.parametrize("use_sinks", [False, True])
-def test_sparse_shared_prefix(family, use_sinks):
+@pytest.mark.parametrize("same_picks", [True, False], ids=["same-picks", "own-picks"])
+def test_sparse_shared_prefix(family, use_sinks, same_picks):
+    """`same_picks`: the rows on a prefix select what its first row does (where they can see it), so the kernel
+    serves them as one task; with their own random picks they overlap too little and run a task each."""
     assert cpu_ext.load("sparse") is not None, "the C++ CPU kernel must build here (see csrc_triton/cpu_ext.py)"
     module, selection, naive, batched = SPARSE[family]
     case, shares = SHARED[family]
@@ -206,6 +209,14 @@ def test_sparse_shared_prefix(family, use_sinks):
         batch.block_table[req, :pages] = batch.block_table[src, :pages]
     sinks = sinks if use_sinks else None
     ids = selection(batch, case, 37)
+    if same_picks:
+        span = case.block_size if family == "block" else 1
+        row = batch.query_start_loc[1:].long() - 1  # each request's last (here: its decode) row
+        for req, (src, _) in shares.items():
+            picks = ids[row[src]].clone()
+            picks[picks * span > case.seq_lens[req] - 1] = -1  # what this row cannot see
+            key = torch.where(picks < 0, torch.iinfo(torch.int32).max, picks)
+            ids[row[req]] = torch.where(key.sort(-1).values == torch.iinfo(torch.int32).max, -1, key.sort(-1).values)
     ref = module.run(naive, batch, q, ids, case, sinks)
     got = module.run(batched, batch, q, ids, case, sinks, out=nan_like(q))
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
