@@ -32,6 +32,8 @@ from pathlib import Path
 import torch
 
 import csrc_triton.oracle.batched as oracle_batched
+import csrc_triton.paged_batch as paged_batch_module
+from csrc_triton import cpu_ext
 from csrc_triton.block_sparse.batched import block_sparse_attention_batched
 from csrc_triton.oracle.batched import oracle_attention_batched
 from csrc_triton.paged_batch import make_plan
@@ -56,14 +58,21 @@ def median_ms(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+SHARED_PREFIX = False  # --shared-prefix: every request's block table points at request 0's pages
+
+
 def paged_batch(num_reqs, ctx, groups, dim, seed=0, q_len=1):
     """Our logical page view `[pages, G, PAGE, 2D]` (float32, one spare NaN page), a block table `[R, pages]`
     and the step's metadata (`q_len` query rows per request, the last of its `ctx` positions): a thin view of
-    `csrc_triton.testing.make_paged_batch`, drawn over the whole cache (it seeds the global RNG with `seed`)."""
+    `csrc_triton.testing.make_paged_batch`, drawn over the whole cache (it seeds the global RNG with `seed`).
+    With `SHARED_PREFIX`, every request reads request 0's pages, as vLLM's prefix cache serves requests on one
+    prompt."""
     batch = make_paged_batch([q_len] * num_reqs, [ctx] * num_reqs, num_kv_heads=groups, head_dim=dim, page_size=PAGE,
                              dtype=torch.float32, seed=seed, device="cpu", spare_pages=1, draw="whole_cache",
                              dense=False)
     table = batch.block_table[:, : -(-ctx // PAGE)].contiguous()  # without the column pointing at the spare page
+    if SHARED_PREFIX:
+        table = table[:1].expand_as(table).contiguous()
     return batch.kv, table, batch.query_start_loc, batch.seq_lens_t
 
 
@@ -89,14 +98,16 @@ def vllm_dense(num_reqs, ctx, heads, groups, dim, reps, q_len=1):
 
 
 def previous_oracle(fn):
-    """`fn` run on the oracle's previous CPU path (no tiled kernel)."""
+    """`fn` run on the oracle's previous CPU path (no tiled kernel: the one-pass C++ decode kernel or PyTorch
+    GEMMs, selection in PyTorch)."""
     def run():
-        saved = oracle_batched.tiled_kernel
+        saved = oracle_batched.tiled_kernel, paged_batch_module.decode_kernel
         oracle_batched.tiled_kernel = lambda *a: None
+        paged_batch_module.decode_kernel = lambda head_dim: cpu_ext.load("oracle_decode").paged_decode
         try:
             return fn()
         finally:
-            oracle_batched.tiled_kernel = saved
+            oracle_batched.tiled_kernel, paged_batch_module.decode_kernel = saved
     return run
 
 
@@ -164,7 +175,9 @@ def hysparse2_roles(num_reqs, ctx, reps):
 
 
 def markdown(result) -> str:
-    lines = [f"# Attention microbenchmark (CPU, float32, one decode step of {result['num_reqs']} requests, one prefill chunk)", "",
+    shared = " on one shared prompt" if result.get("shared_prefix") else ""
+    lines = [f"# Attention microbenchmark (CPU, float32, one decode step of {result['num_reqs']} requests{shared}, "
+             "one prefill chunk)", "",
              f"`{result['command']}` on {result['machine']}, torch {result['torch']}, load average before the run "
              f"{result.get('load', '?')}; median of "
              f"{result['reps']} runs, ms per layer call.", "",
@@ -184,13 +197,17 @@ def main(argv=None) -> int:
     parser.add_argument("--num-reqs", type=int, default=8)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--prefill-rows", type=int, default=2048, help="rows of the prefill chunk (0: none)")
+    parser.add_argument("--shared-prefix", action="store_true",
+                        help="the decode requests read one prompt's pages (vLLM's prefix cache); prefill unchanged")
     parser.add_argument("--results", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
     torch.set_grad_enabled(False)
+    global SHARED_PREFIX
+    SHARED_PREFIX = args.shared_prefix
     result = {"command": "python benchmarks/attention_micro.py " + " ".join(argv or sys.argv[1:]),
               "load": " ".join(f"{x:.2f}" for x in os.getloadavg()),
               "machine": f"{platform.machine()} {torch.get_num_threads()} threads", "torch": torch.__version__,
-              "num_reqs": args.num_reqs, "reps": args.reps, "contexts": {}}
+              "num_reqs": args.num_reqs, "reps": args.reps, "shared_prefix": args.shared_prefix, "contexts": {}}
     for ctx in args.contexts:
         result["contexts"][ctx] = {"HySparse": hysparse_roles(args.num_reqs, ctx, args.reps),
                                    "HySparse2": hysparse2_roles(args.num_reqs, ctx, args.reps)}
@@ -199,7 +216,8 @@ def main(argv=None) -> int:
     text = markdown(result)
     print(text)
     args.results.mkdir(parents=True, exist_ok=True)
-    stem = args.results / f"attention_micro_{datetime.datetime.now():%Y-%m-%d_%H%M}"
+    tag = "_shared" if args.shared_prefix else ""
+    stem = args.results / f"attention_micro_{datetime.datetime.now():%Y-%m-%d_%H%M}{tag}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
     stem.with_suffix(".md").write_text(text)
     return 0

@@ -397,8 +397,8 @@ def decode_kernel(head_dim: int):
             logits = torch.empty(n, heads, num_keys)
             no_ids = torch.empty(n, pages.shape[1], 0, dtype=torch.int32)
             # one block as long as the longest row and no top-k: only the exact attention and the logits
-            tiled.oracle_tiled(q, pages, block_table, reqs.contiguous(), lens - 1, max(num_keys, 1), 0, scale, out, no_ids,
-                               torch.empty(0), logits, lse)
+            tiled.oracle_tiled(q, pages, block_table, reqs.contiguous(), lens - 1, max(num_keys, 1), 0, scale, out,
+                               no_ids, torch.empty(0), logits, lse)
             return out, logits, lse
         return run
     ext = cpu_ext.load()

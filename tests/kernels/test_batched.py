@@ -49,7 +49,8 @@ def decode_path(request, monkeypatch):
         assert load(request.param == "tiled" and "oracle_tiled" or "oracle_decode") is not None, \
             "the C++ CPU kernels must build here (see csrc_triton/cpu_ext.py)"
     if request.param == "onepass":
-        monkeypatch.setattr(cpu_ext, "load", lambda name="oracle_decode": None if name == "oracle_tiled" else load(name))
+        monkeypatch.setattr(cpu_ext, "load",
+                            lambda name="oracle_decode": None if name == "oracle_tiled" else load(name))
     elif request.param == "torch":
         monkeypatch.setattr(cpu_ext, "load", lambda name="oracle_decode": None)
     return request.param
