@@ -201,7 +201,7 @@ def bench_settings(args) -> dict:
     """The load one model's runs were measured under (kept per model: a reused record may differ)."""
     return {"num_prompts": args.num_prompts, "output_len": args.output_len, "concurrency": args.concurrency,
             "kv_space_gib": args.kv_space_gib, "prefix_caching": args.prefix_caching,
-            "prefix_fraction": args.prefix_fraction,
+            "prefix_fraction": args.prefix_fraction, "warm_runs": args.warm_runs,
             "max_model_len": max_model_len_for(args.prompt_lens, args.output_len)}
 
 
@@ -233,6 +233,10 @@ def bench_model(name: str, ckpt: Path, args, work: Path) -> dict:
                 bcmd = bench_command(ckpt, root, n, args.output_len, args.num_prompts, args.concurrency, work,
                                      fname, args.seed, prefix_len=int(n * args.prefix_fraction))
                 run["bench_command"] = shlex.join(bcmd)
+                for w in range(args.warm_runs):  # the same prompts once untimed: the timed run finds them cached
+                    warm = bench_command(ckpt, root, n, args.output_len, args.num_prompts, args.concurrency, work,
+                                         f"warm{w}_{fname}", args.seed, prefix_len=int(n * args.prefix_fraction))
+                    subprocess.run(warm, capture_output=True, text=True, timeout=args.bench_timeout)
                 print(f"[{name}] prompt {n}: {args.num_prompts} prompts x {args.output_len} tokens, "
                       f"concurrency {args.concurrency}", flush=True)
                 t1 = time.monotonic()
@@ -328,7 +332,9 @@ def _model_settings(result: dict, model: str) -> dict:
 def _settings_words(st: dict) -> str:
     return (f"{st.get('num_prompts', '?')} prompts × {st.get('output_len', '?')} output tokens, concurrency "
             f"{st.get('concurrency', '?')}, prefix caching {'on' if st.get('prefix_caching') else 'off'}, "
-            f"`--max-model-len {st.get('max_model_len', '?')}`")
+            + (f"{st['warm_runs']} untimed run(s) of the same prompts first (every prompt cached: TPOT is the "
+               "concurrent decode alone, TTFT a cache hit), " if st.get("warm_runs") else "")
+            + f"`--max-model-len {st.get('max_model_len', '?')}`")
 
 
 TIMING_ROWS = [("TTFT mean (ms)", "mean_ttft_ms", 0), ("TTFT median (ms)", "median_ttft_ms", 0),
@@ -633,6 +639,10 @@ def parse_args(argv):
     parser.add_argument("--prefix-fraction", type=float, default=0.0,
                         help="share this fraction of each prompt as one common prefix (decode-heavy workload: "
                              "--prefix-caching --prefix-fraction 0.95 --concurrency 8 --output-len 128)")
+    parser.add_argument("--warm-runs", type=int, default=0,
+                        help="run each prompt set this many times untimed first: with --prefix-caching the timed run "
+                             "finds every prompt cached, so TPOT is the concurrent decode alone, free of which "
+                             "requests vLLM's scheduler admitted before the shared prefix was cached")
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS),
                         help="server configurations to run, in this order (default: all)")
     parser.add_argument("--reuse", type=Path, metavar="JSON",
@@ -731,6 +741,13 @@ def main(argv: list[str] | None = None) -> int:
                                              args.seed)
     ckpts["hysparse2"] = ensure_hysparse_checkpoint(args.checkpoints / SERVERS["hysparse2"]["checkpoint"], "hysparse2")
     ckpts["hysparse2-noexit"] = ckpts["hysparse2"]
+    max_len = max_model_len_for(args.prompt_lens, args.output_len)
+    for name in args.models:  # vLLM refuses a longer --max-model-len at start: say so once, before any server
+        limit = json.loads((ckpts[name] / "config.json").read_text()).get("max_position_embeddings")
+        if limit is not None and max_len > limit:
+            print(f"serve_bench: prompts of {max(args.prompt_lens)} tokens plus {args.output_len} output need "
+                  f"--max-model-len {max_len}, past the {limit} positions of {ckpts[name]}", file=sys.stderr)
+            return 2
 
     context_lens = sorted(set(args.prompt_lens) | {32768})
     result = {"date": f"{start:%Y-%m-%d %H:%M}", "command": shlex.join([sys.executable, *sys.argv]),
