@@ -666,7 +666,7 @@ def bench_settings_from(settings: dict, lens: list[int]) -> dict:
     return {"num_prompts": settings["num_prompts"], "output_len": settings["output_len"],
             "concurrency": settings["concurrency"], "kv_space_gib": settings["kv_space_gib"],
             # (a run recorded before the flag had it off)
-            "prefix_caching": settings.get("prefix_caching", False),
+            "prefix_caching": settings.get("prefix_caching", False), "warm_runs": settings.get("warm_runs", 0),
             "max_model_len": max_model_len_for(lens, settings["output_len"])}
 
 
