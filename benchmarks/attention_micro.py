@@ -133,6 +133,27 @@ def hysparse_prefill(ctx, rows, reps):
     }
 
 
+def hysparse2_prefill(ctx, rows, reps):
+    """One prefill chunk of the HySparse2 token oracle: the last `rows` rows of one request of `ctx` positions."""
+    s = HYSPARSE2
+    rows = min(rows, ctx)
+    kv, table, _, seq_lens = paged_batch(1, ctx, s["groups"], s["dim"], seed=1)
+    qsl = torch.tensor([0, rows], dtype=torch.int32)
+    q = torch.randn(rows, s["heads"], s["dim"])
+    plan = make_plan(qsl, seq_lens, rows, q.device)
+
+    def token_oracle():
+        return token_oracle_attention_batched(q, kv[..., :s["dim"]], kv[..., s["dim"]:], table, qsl, seq_lens,
+                                              scale=0.125, topk_tokens=s["topk"], recent_window=s["window"],
+                                              plan=plan)
+
+    return {
+        f"prefill {rows} rows: token_oracle": median_ms(token_oracle, reps),
+        f"prefill {rows} rows: dense (vLLM CPU, G=1)": vllm_dense(1, ctx, s["heads"], s["groups"], s["dim"], reps,
+                                                                 q_len=rows),
+    }
+
+
 def hysparse_roles(num_reqs, ctx, reps):
     s = HYSPARSE
     kv, table, qsl, seq_lens = paged_batch(num_reqs, ctx, s["groups"], s["dim"])
@@ -213,6 +234,7 @@ def main(argv=None) -> int:
                                    "HySparse2": hysparse2_roles(args.num_reqs, ctx, args.reps)}
         if args.prefill_rows:
             result["contexts"][ctx]["HySparse prefill"] = hysparse_prefill(ctx, args.prefill_rows, args.reps)
+            result["contexts"][ctx]["HySparse2 prefill"] = hysparse2_prefill(ctx, args.prefill_rows, args.reps)
     text = markdown(result)
     print(text)
     args.results.mkdir(parents=True, exist_ok=True)
