@@ -120,7 +120,7 @@ void sparse_tile(const SparseProblem& pb, const SparseTask& tk, TileScratch& sc)
   for (int64_t r = 0; r < tk.rows && last + 1 > tk.shared; ++r) {
     const RowMask bit = RowMask{1} << r;
     const int32_t* own = pb.bt + pb.reqs[tk.row(r)] * pb.s_bt;
-    for (int64_t b = std::max<int64_t>(tk.shared / pb.span, 0); b < nb; ++b)
+    for (int64_t b = tk.shared / pb.span; b < nb; ++b)
       if (sc.who[b] & bit)
         add_run(own, std::max(b * pb.span, tk.shared), std::min((b + 1) * pb.span, pos[r] + 1), bit);
   }
@@ -235,7 +235,7 @@ std::vector<SparseTask> sparse_tasks_of(const SparseProblem& pb, int64_t n, std:
     r0 = r1;
   }
   std::vector<int64_t> seen;  // per selection id: the last (row tile, group) that counted it
-  for (const PrefixCluster& c : prefix_clusters(clustered, pb.bt, pb.s_bt, pb.reqs, pb.pos, pb.page, SHARED_MIN_KEYS)) {
+  for (const PrefixCluster& c : prefix_clusters(clustered, pb.bt, pb.s_bt, pb.reqs, pb.pos, pb.page)) {
     const int64_t shared = c.pages * pb.page;
     for (int64_t x = c.first; x < c.first + c.rows; x += SPARSE_TILE_ROWS) {
       const int64_t rows = std::min(SPARSE_TILE_ROWS, c.first + c.rows - x);

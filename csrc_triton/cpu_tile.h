@@ -295,13 +295,6 @@ inline void online_rescale(float mt, float sum, float& m, float& l, float* acc) 
     for (int d = 0; d < DIM; ++d) acc[d] *= rescale;
 }
 
-// Rows on a shared prefix (decode rows of requests that vLLM's prefix cache gave the same leading pages):
-// `rows` (single-row tasks' rows) are reordered in place so that each cluster's rows are consecutive, and the
-// clusters come back as (first index into `rows`, rows, shared pages). Rows are sorted by their full pages
-// (those before the row's position: vLLM shares only full pages, and the entries past a request's pages are
-// not its own), so rows on one prefix are neighbours; a cluster takes the next row while the pages it shares
-// with the cluster's first row hold `min_keys` keys and at least half of the cluster's prefix so far. A
-// cluster of one row shares nothing.
 // A shared prefix is walked once for all its rows only when it holds at least this many keys (below that, the
 // extra bookkeeping costs more than the keys it saves).
 constexpr int64_t SHARED_MIN_KEYS = 32;
@@ -310,9 +303,15 @@ struct PrefixCluster {
   int64_t first, rows, pages;
 };
 
+// Rows on a shared prefix (decode rows of requests that vLLM's prefix cache gave the same leading pages):
+// `rows` (single-row tasks' rows) are reordered in place so that each cluster's rows are consecutive, and the
+// clusters come back as (first index into `rows`, rows, shared pages). Rows are sorted by their full pages
+// (those before the row's position: vLLM shares only full pages, and the entries past a request's pages are
+// not its own), so rows on one prefix are neighbours; a cluster takes the next row while the pages it shares
+// with the cluster's first row hold SHARED_MIN_KEYS keys and at least half of the cluster's prefix so far. A
+// cluster of one row shares nothing.
 inline std::vector<PrefixCluster> prefix_clusters(std::vector<int64_t>& rows, const int32_t* bt, int64_t s_bt,
-                                                  const int64_t* reqs, const int64_t* pos, int64_t page,
-                                                  int64_t min_keys) {
+                                                  const int64_t* reqs, const int64_t* pos, int64_t page) {
   const auto full_pages = [&](int64_t row) { return (pos[row] + 1) / page; };
   const auto table = [&](int64_t row) { return bt + reqs[row] * s_bt; };
   std::sort(rows.begin(), rows.end(), [&](int64_t a, int64_t b) {
@@ -328,7 +327,7 @@ inline std::vector<PrefixCluster> prefix_clusters(std::vector<int64_t>& rows, co
     for (; y < rows.size(); ++y) {
       const int32_t* ty = table(rows[y]);
       const int64_t common = std::mismatch(tl, tl + std::min(shared, full_pages(rows[y])), ty).first - tl;
-      if (common * page < min_keys || 2 * common < shared) break;
+      if (common * page < SHARED_MIN_KEYS || 2 * common < shared) break;
       shared = common;
     }
     clusters.push_back({static_cast<int64_t>(x), static_cast<int64_t>(y - x), y - x >= 2 ? shared : 0});

@@ -391,7 +391,7 @@ def decode_kernel(head_dim: int):
     tiled = cpu_ext.load("oracle_tiled")
     if tiled is not None and head_dim in tiled.SUPPORTED_DIMS:
         def run(q, pages, block_table, reqs, lens, num_keys, scale):
-            n, heads, d = q.shape
+            n, heads = q.shape[:2]
             q = q.contiguous()
             out, lse = torch.empty_like(q), torch.empty(n, heads)
             logits = torch.empty(n, heads, num_keys)

@@ -95,3 +95,15 @@ def make_case_inputs(case, dtype, seed: int = 0, sinks: bool = False):
     if not sinks:
         return batch, q.to(DEVICE)
     return batch, q.to(DEVICE), (torch.randn(case.num_heads, generator=g) + 1.0).to(DEVICE)
+
+
+def share_pages(batch: PagedBatch, shares: dict[int, tuple[int, int]]) -> None:
+    """Give requests the leading pages of others, as vLLM's prefix cache does for requests on one prompt.
+
+    `shares` maps a request to (the request whose pages it starts with, how many); those pages must be full in
+    both (vLLM shares only full pages), so each row reads the same keys as before, from the other's pages.
+    """
+    page_size = batch.k_cache.shape[2]
+    for req, (src, pages) in shares.items():
+        assert pages * page_size <= min(batch.seq_lens[req], batch.seq_lens[src])
+        batch.block_table[req, :pages] = batch.block_table[src, :pages]

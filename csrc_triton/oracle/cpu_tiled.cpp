@@ -11,8 +11,8 @@
 //
 // Dot products run over keys with vector FMAs: a tile's keys are transposed once into a [D, KEYS]
 // scratch (L1-resident) and every query vector of the task reuses it, so one FMA scores 8 keys.
-// Decode tiles have few query vectors, which would not repay the transpose: they dot each key
-// directly (FMAs over the head dim, one horizontal sum per key and head).
+// Decode tiles have few query vectors, which would not repay the transpose: they dot the keys
+// directly (FMAs over the head dim, eight keys' sums reduced together: `score_direct`).
 //
 // Shared prefixes: single-row tasks (decode rows) of different requests whose block tables start with the
 // same pages (vLLM's prefix cache hands them the same physical pages) walk those pages once, as one task of
@@ -69,13 +69,12 @@ struct Task {
 // The partial states of rows whose keys are split (shared prefix, own tail): per row, group and part (0: the
 // prefix, 1: the tail) and per query vector of the group, [m, l, acc[D], u[nb]] at a stride of 2 + D + nb.
 struct Partials {
-  int64_t per_group, dim, nb, stride;
+  int64_t groups, per_group, nb, stride;
   std::vector<float> data;
   std::vector<int64_t> rows;  // the split rows, in slot order
-  void init(int64_t groups, int64_t per_group_, int64_t dim_, int64_t nb_) {
-    per_group = per_group_, dim = dim_, nb = nb_, stride = 2 + dim_ + nb_;
-    const int64_t n_rows = static_cast<int64_t>(rows.size());
-    data.resize(static_cast<size_t>(n_rows * groups * 2 * per_group * stride));
+  void init(int64_t groups_, int64_t per_group_, int64_t dim, int64_t nb_) {
+    groups = groups_, per_group = per_group_, nb = nb_, stride = 2 + dim + nb_;
+    data.resize(rows.size() * groups * 2 * per_group * stride);
     // the empty state (a tail with no keys merges as nothing): m = -inf, l = 0, acc = 0, u = -inf
     for (size_t x = 0; x < data.size(); x += stride) {
       data[x] = NEG_INF;
@@ -84,7 +83,7 @@ struct Partials {
       std::fill(data.begin() + x + 2 + dim, data.begin() + x + stride, NEG_INF);
     }
   }
-  float* at(int64_t slot, int64_t groups, int64_t g, int64_t part) {
+  float* at(int64_t slot, int64_t g, int64_t part) {
     return data.data() + ((slot * groups + g) * 2 + part) * per_group * stride;
   }
 };
@@ -223,7 +222,7 @@ void run_task(const Problem& pb, const Task& tk, Partials& parts, std::vector<fl
   }
   if (tk.slot0 >= 0) {  // split rows: the state goes to their slots, merged in `finish_split`
     for (int64_t r = 0; r < tk.rows; ++r) {
-      float* st = parts.at(tk.slot0 + r, pb.groups, tk.group, tk.part);
+      float* st = parts.at(tk.slot0 + r, tk.group, tk.part);
       for (int64_t p = 0; p < per_group; ++p, st += parts.stride) {
         const int64_t i = r * per_group + p;
         st[0] = m[i];
@@ -247,8 +246,8 @@ void finish_split(const Problem& pb, Partials& parts, int64_t slot, int64_t grou
   const int64_t per_group = pb.heads / pb.groups, nb = parts.nb;
   std::vector<float> m(per_group), l(per_group), acc(per_group * DIM), u(per_group * nb), score(nb);
   std::vector<int32_t> order(nb);
-  const float* a = parts.at(slot, pb.groups, group, 0);
-  const float* b = parts.at(slot, pb.groups, group, 1);
+  const float* a = parts.at(slot, group, 0);
+  const float* b = parts.at(slot, group, 1);
   for (int64_t p = 0; p < per_group; ++p, a += parts.stride, b += parts.stride) {
     const float mx = std::max(a[0], b[0]);  // finite: the prefix holds keys
     const float fa = std::exp(a[0] - mx), fb = std::exp(b[0] - mx);
@@ -313,7 +312,7 @@ void oracle_tiled(at::Tensor q, at::Tensor kv, at::Tensor block_table, at::Tenso
                 "lse: expected contiguous [N, H] float32");
     const int64_t* ps = pos.data_ptr<int64_t>();
     TORCH_CHECK(n == 0 || *std::max_element(ps, ps + n) < logits.size(2),
-                "logits: a row's position is past their last column");
+                "logits: a row's position is past the last column");
   }
   const Problem pb{q.data_ptr<float>(), kv.data_ptr<float>(), block_table.data_ptr<int32_t>(),
                    reqs.data_ptr<int64_t>(), pos.data_ptr<int64_t>(), out.data_ptr<float>(), ids.data_ptr<int32_t>(),
@@ -337,34 +336,32 @@ void oracle_tiled(at::Tensor q, at::Tensor kv, at::Tensor block_table, at::Tenso
     }
     r0 = r1;
   }
-  // Shared prefixes (see `prefix_clusters`): a cluster's rows get consecutive slots
+  // Shared prefixes (see `prefix_clusters`): a cluster's rows get consecutive slots; the prefix is walked once
+  // per tile of its rows, each row's own tail alone (none when its keys end with the prefix). The tasks point
+  // into parts.rows, so it is reserved up front and never moves.
   Partials parts;
-  std::vector<std::pair<int64_t, int64_t>> clusters;  // (first slot, prefix pages); the slots' rows in parts.rows
-  for (const PrefixCluster& c : prefix_clusters(singles, pb.bt, pb.s_bt, rq, ps, page, SHARED_MIN_KEYS)) {
-    if (c.rows >= 2) {
-      clusters.push_back({static_cast<int64_t>(parts.rows.size()), c.pages});
-      parts.rows.insert(parts.rows.end(), singles.begin() + c.first, singles.begin() + c.first + c.rows);
-    } else {
+  parts.rows.reserve(singles.size());
+  int64_t nb_split = 0;
+  for (const PrefixCluster& c : prefix_clusters(singles, pb.bt, pb.s_bt, rq, ps, page)) {
+    if (c.rows < 2) {
       const int64_t row = singles[c.first];
       for (int64_t g = 0; g < groups; ++g) tasks.push_back({row, 1, g, 0, ps[row] + 1, nullptr, -1, 0});
+      continue;
     }
-  }
-  clusters.push_back({static_cast<int64_t>(parts.rows.size()), 0});  // the end of the last cluster
-  int64_t nb_split = 0;
-  for (const int64_t row : parts.rows) nb_split = std::max(nb_split, ps[row] / block + 1);
-  parts.init(groups, heads / groups, dim, nb_split);
-  for (size_t c = 0; c + 1 < clusters.size(); ++c) {
-    const int64_t slot0 = clusters[c].first, slot1 = clusters[c + 1].first, keys = clusters[c].second * page;
-    for (int64_t s0 = slot0; s0 < slot1; s0 += ORACLE_TILE_ROWS) {  // the prefix, once per tile of its rows
+    const int64_t slot0 = static_cast<int64_t>(parts.rows.size()), slot1 = slot0 + c.rows, keys = c.pages * page;
+    parts.rows.insert(parts.rows.end(), singles.begin() + c.first, singles.begin() + c.first + c.rows);
+    for (int64_t s0 = slot0; s0 < slot1; s0 += ORACLE_TILE_ROWS) {
       const int64_t rows = std::min(ORACLE_TILE_ROWS, slot1 - s0);
       for (int64_t g = 0; g < groups; ++g) tasks.push_back({-1, rows, g, 0, keys, parts.rows.data() + s0, s0, 0});
     }
-    for (int64_t s = slot0; s < slot1; ++s) {  // each row's own tail (none when its keys end with the prefix)
+    for (int64_t s = slot0; s < slot1; ++s) {
       const int64_t row = parts.rows[s];
+      nb_split = std::max(nb_split, ps[row] / block + 1);
       if (ps[row] + 1 > keys)
         for (int64_t g = 0; g < groups; ++g) tasks.push_back({row, 1, g, keys, ps[row] + 1, nullptr, s, 1});
     }
   }
+  parts.init(groups, heads / groups, dim, nb_split);
   std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) {
     return (a.keys - a.begin) * a.rows > (b.keys - b.begin) * b.rows;
   });

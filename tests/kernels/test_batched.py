@@ -20,7 +20,7 @@ from csrc_triton.token_oracle.batched import select_tokens, token_oracle_attenti
 from csrc_triton.token_oracle.naive import select_tokens as select_tokens_naive
 from csrc_triton.token_sparse import token_sparse_attention_naive
 from csrc_triton.token_sparse.batched import token_sparse_attention_batched
-from tests.kernel_utils import DEVICE, dense_causal, nan_like, nan_out
+from tests.kernel_utils import DEVICE, dense_causal, nan_like, nan_out, share_pages
 from tests.kernels import block_sparse_cases as bs
 from tests.kernels import oracle_cases as orc
 from tests.kernels import token_oracle_cases as tor
@@ -112,8 +112,7 @@ def test_token_oracle_shared_prefix(reduce, decode_path):
     case = tor.Case([1, 1, 1, 1, 1], [200, 180, 130, 97, 64], num_heads=6, num_kv_heads=2, head_dim=32,
                     page_size=16, topk=20, window=8)
     batch, q = tor.make_inputs(case, torch.float32, seed=31)
-    for req, pages in {1: 11, 2: 8, 4: 4}.items():  # request 4's context is the 4 shared pages: no tail
-        batch.block_table[req, :pages] = batch.block_table[0, :pages]
+    share_pages(batch, {1: (0, 11), 2: (0, 8), 4: (0, 4)})  # request 4's context is the 4 shared pages: no tail
     ref = tor.run(token_oracle_attention_naive, batch, q, case, reduce)
     got = tor.run(token_oracle_attention_batched, batch, q, case, reduce, out=nan_like(q))
     tor.check_against_naive(case, torch.float32, reduce, got, ref, batch, q)
@@ -200,14 +199,12 @@ SHARED = {"block": (bs.Case([7, 1, 1, 1, 1, 1], [7, 300, 260, 290, 128, 40], num
 @pytest.mark.parametrize("same_picks", [True, False], ids=["same-picks", "own-picks"])
 def test_sparse_shared_prefix(family, use_sinks, same_picks):
     """`same_picks`: the rows on a prefix select what its first row does (where they can see it), so the kernel
-    serves them as one task; with their own random picks they overlap too little and run a task each."""
+    serves them as one task; with their own random picks they may overlap too little, and then run a task each."""
     assert cpu_ext.load("sparse") is not None, "the C++ CPU kernel must build here (see csrc_triton/cpu_ext.py)"
     module, selection, naive, batched = SPARSE[family]
     case, shares = SHARED[family]
     batch, q, sinks = module.make_inputs(case, torch.float32, seed=37)
-    for req, (src, pages) in shares.items():
-        assert pages * case.page_size <= min(case.seq_lens[req], case.seq_lens[src])
-        batch.block_table[req, :pages] = batch.block_table[src, :pages]
+    share_pages(batch, shares)
     sinks = sinks if use_sinks else None
     ids = selection(batch, case, 37)
     if same_picks:
@@ -216,8 +213,9 @@ def test_sparse_shared_prefix(family, use_sinks, same_picks):
         for req, (src, _) in shares.items():
             picks = ids[row[src]].clone()
             picks[picks * span > case.seq_lens[req] - 1] = -1  # what this row cannot see
-            key = torch.where(picks < 0, torch.iinfo(torch.int32).max, picks)
-            ids[row[req]] = torch.where(key.sort(-1).values == torch.iinfo(torch.int32).max, -1, key.sort(-1).values)
+            last = torch.iinfo(torch.int32).max  # -1 sorts after every id
+            picks = torch.where(picks < 0, last, picks).sort(-1).values
+            ids[row[req]] = torch.where(picks == last, -1, picks)
     ref = module.run(naive, batch, q, ids, case, sinks)
     got = module.run(batched, batch, q, ids, case, sinks, out=nan_like(q))
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)

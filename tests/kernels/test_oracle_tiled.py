@@ -11,7 +11,7 @@ import torch
 
 from csrc_triton.oracle import oracle_attention_naive
 from csrc_triton.oracle.batched import oracle_attention_batched, tiled_kernel
-from tests.kernel_utils import Case, nan_like
+from tests.kernel_utils import Case, nan_like, share_pages
 from tests.kernels import oracle_cases as orc
 
 POISON = 12345
@@ -103,9 +103,7 @@ def test_tiled_shared_prefix(case, shares):
     seed = 2000 + [c for c, _ in SHARED].index(case)
     print(f"seed {seed}")
     batch, q = orc.make_inputs(case, torch.float32, seed=seed)
-    for req, (src, pages) in shares.items():
-        assert pages * case.page_size <= min(case.seq_lens[req], case.seq_lens[src])
-        batch.block_table[req, :pages] = batch.block_table[src, :pages]
+    share_pages(batch, shares)
     ref = orc.run(oracle_attention_naive, batch, q, case)
     got = run_tiled(case, batch, q)
     orc.check_against_naive(case, torch.float32, got, ref, batch)
