@@ -8,8 +8,17 @@ from transformers import AutoModelForCausalLM
 
 from vllm_hysparse.recovery import __main__ as cli
 from vllm_hysparse.recovery import init
-from vllm_hysparse.recovery.lora import (GATES, LoRALinear, apply_delta, attach_lora, base_digest, converted_linears,
-                                         delta_state)
+from vllm_hysparse.recovery.lora import (
+    GATES,
+    LoRALinear,
+    apply_delta,
+    attach_lora,
+    base_digest,
+    converted_linears,
+    converted_mlps,
+    delta_state,
+    resume_from_delta,
+)
 from vllm_hysparse.reference.modeling_hysparse import HySparseFullAttention
 from vllm_hysparse.reference.modeling_hysparse2 import SelfFullAttention
 
@@ -86,6 +95,50 @@ def test_delta_rebuilds_the_trained_model(checkpoints, arch, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(rebuilt(ids, use_cache=False).logits, trained(ids, use_cache=False).logits,
                                    atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["hysparse", "hysparse2"])
+def test_mlp_lora_adapts_the_converted_layers_mlps_and_the_delta_rebuilds_them(checkpoints, arch):
+    """`mlp=True`: the MLPs after the converted attention layers get LoRA too, and no other MLP; the model starts
+    as the converted one; apply(base, delta) adds B @ A to exactly those weights; the base digest (attention only)
+    is the converted checkpoint's, so a delta that had no MLP factors can go on with them (they start at zero)."""
+    trained = _load(checkpoints[arch])
+    ids = torch.randint(0, trained.config.vocab_size, (1, 80))
+    with torch.no_grad():
+        before = trained(ids, use_cache=False).logits
+    attach_lora(trained, RANK, ALPHA, mlp=True)
+    with torch.no_grad():
+        torch.testing.assert_close(trained(ids, use_cache=False).logits, before, atol=0, rtol=0)
+    mlps = converted_mlps(trained)
+    assert mlps and len(mlps) < trained.config.num_hidden_layers
+    wrapped = {f"model.layers.{i}.mlp" for i, layer in enumerate(trained.model.layers)
+               if any(isinstance(c, LoRALinear) for c in layer.mlp.children())}
+    assert wrapped == set(mlps)
+    _randomise_trainable(trained, int(torch.randint(1 << 30, ())))
+    tensors, meta = delta_state(trained, _digest(checkpoints[arch]))
+    assert sum(k.startswith(tuple(mlps)) and k.endswith("lora_A") for k in tensors) == 3 * len(mlps)
+    base_sd = _load(checkpoints[arch]).state_dict()
+    rebuilt = _load(checkpoints[arch])
+    apply_delta(rebuilt, tensors, meta)
+    for path in mlps:
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            a, b = tensors[f"{path}.{name}.lora_A"], tensors[f"{path}.{name}.lora_B"]
+            torch.testing.assert_close(rebuilt.state_dict()[f"{path}.{name}.weight"],
+                                       base_sd[f"{path}.{name}.weight"] + ALPHA / RANK * b @ a)
+    with torch.no_grad():
+        torch.testing.assert_close(rebuilt(ids, use_cache=False).logits, trained(ids, use_cache=False).logits,
+                                   atol=1e-4, rtol=1e-4)
+    # An attention-only delta resumed with mlp=True: its factors loaded, the MLP's at zero (same model).
+    plain = _load(checkpoints[arch])
+    attach_lora(plain, RANK, ALPHA)
+    _randomise_trainable(plain, 7)
+    tensors, meta = delta_state(plain, _digest(checkpoints[arch]))
+    resumed = _load(checkpoints[arch])
+    resume_from_delta(resumed, tensors, meta, mlp=True)
+    assert set(converted_mlps(resumed)) == set(mlps)
+    with torch.no_grad():
+        torch.testing.assert_close(resumed(ids, use_cache=False).logits, plain(ids, use_cache=False).logits,
+                                   atol=1e-5, rtol=1e-5)
 
 
 def _write_delta(model, path, digest):

@@ -131,7 +131,7 @@ def train(args) -> dict:
     if args.resume:
         # Go on from a delta's end (its stage-0 record, factors and whole parameters), at its rank and alpha.
         params, record = resume_from_delta(student, *read_delta(Path(args.resume)), full_rank=args.full_rank,
-                                           lora_only=args.lora_only)
+                                           lora_only=args.lora_only, mlp=args.mlp_lora)
         wall, cpu = clock.minutes()
         stages.append({"stage": f"resumed from {args.resume}", "minutes": wall})
         curve.append({"stage": "resumed", "step": 0, "train_minutes": wall, "wall_minutes": wall, "cpu_minutes": cpu,
@@ -147,7 +147,8 @@ def train(args) -> dict:
         curve.append({"stage": "stage 0: closed-form initialisation", "step": 0, "train_minutes": wall,
                       "wall_minutes": wall, "cpu_minutes": cpu, **heldout.evaluate(student)})
     if not args.resume:
-        params = attach_lora(student, args.rank, args.alpha, full_rank=args.full_rank, lora_only=args.lora_only)
+        params = attach_lora(student, args.rank, args.alpha, full_rank=args.full_rank, lora_only=args.lora_only,
+                             mlp=args.mlp_lora)
     # Projections trained whole move at `--full-rank-lr-scale` times the rate of LoRA factors and small vectors.
     whole = {id(p) for p in params if p.ndim == 2} - {id(p) for n, p in student.named_parameters()
                                                      if n.endswith((".lora_A", ".lora_B"))}
@@ -241,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="learning rate of the projections trained whole, relative to --lr1 / --lr2")
     t.add_argument("--resume", metavar="DELTA", help="go on training from this delta (trained on the same "
                    "--student; its rank, alpha and stage-0 record are kept)")
+    t.add_argument("--mlp-lora", action="store_true", help="LoRA on the MLPs of the converted layers too (they "
+                   "can compensate for their lossy attention); adds to a --resume'd delta that had none")
     t.add_argument("--lora-only", action="store_true", help="train LoRA factors alone (sinks and bridge norms "
                    "frozen), so that `export-peft` can write the delta as a PEFT adapter")
     t.add_argument("--init", action="store_true",

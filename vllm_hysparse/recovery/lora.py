@@ -79,12 +79,26 @@ def converted_attention(model) -> dict[str, nn.Module]:
             if isinstance(layer.self_attn, CONVERTED_ATTENTION)}
 
 
-def attach_lora(model, rank: int, alpha: float, full_rank: bool = False, lora_only: bool = False
-                ) -> list[nn.Parameter]:
+def converted_mlps(model) -> dict[str, nn.Module]:
+    """`{module path: MLP}` of the decoder layers whose attention is converted, in layer order: `attach_lora(mlp=
+    True)` adapts their linears too, so the MLP after a lossy attention layer can compensate for it. (An MoE block
+    has no linear children of its own and gets nothing.)"""
+    return {f"model.layers.{i}.mlp": layer.mlp for i, layer in enumerate(model.model.layers)
+            if isinstance(layer.self_attn, CONVERTED_ATTENTION)}
+
+
+def _adapted(model) -> dict[str, nn.Module]:
+    """Every module whose linear children may carry LoRA: converted attention layers, then their MLPs."""
+    return {**converted_attention(model), **converted_mlps(model)}
+
+
+def attach_lora(model, rank: int, alpha: float, full_rank: bool = False, lora_only: bool = False,
+                mlp: bool = False) -> list[nn.Parameter]:
     """Freeze `model`, wrap every linear of its converted attention layers; returns the trainable parameters.
 
     `full_rank`: the projections of `FULL_RANK_LINEARS` are trained in full (weight and bias) instead.
     `lora_only`: the sinks and bridge norms stay frozen too, so the delta is LoRA factors alone (`peft_adapter`).
+    `mlp`: the linears of those layers' MLPs get LoRA as well (`converted_mlps`).
     """
     if rank < 1:
         raise ValueError(f"--rank must be >= 1 (got {rank})")
@@ -108,20 +122,33 @@ def attach_lora(model, rank: int, alpha: float, full_rank: bool = False, lora_on
             if name.endswith(FULL_PARAMS) and not lora_only:
                 param.requires_grad_(True)
                 trainable.append(param)
+    for block in converted_mlps(model).values() if mlp else ():
+        for name, child in list(block.named_children()):
+            if isinstance(child, nn.Linear):
+                lora = LoRALinear(child, rank, alpha)
+                setattr(block, name, lora)
+                trainable += [lora.lora_A, lora.lora_B]
     return trainable
 
 
 def merge_lora(model) -> None:
     """Fold every LoRA update into its base weight and put the plain linear back (in place)."""
-    for attn in converted_attention(model).values():
-        for name, child in list(attn.named_children()):
+    for module in _adapted(model).values():
+        for name, child in list(module.named_children()):
             if isinstance(child, LoRALinear):
-                setattr(attn, name, child.merged())
+                setattr(module, name, child.merged())
 
 
 def _lora_modules(model) -> dict[str, LoRALinear]:
-    return {f"{path}.{name}": child for path, attn in converted_attention(model).items()
-            for name, child in attn.named_children() if isinstance(child, LoRALinear)}
+    return {f"{path}.{name}": child for path, module in _adapted(model).items()
+            for name, child in module.named_children() if isinstance(child, LoRALinear)}
+
+
+def mlp_linears(model) -> list[str]:
+    """Module paths of the linears of `converted_mlps` (wrapped or not): a delta may carry LoRA factors for them,
+    and the base digest leaves them out (they are the teacher's, copied)."""
+    return [f"{path}.{name}" for path, block in converted_mlps(model).items()
+            for name, child in block.named_children() if isinstance(child, (nn.Linear, LoRALinear))]
 
 
 def converted_linears(model) -> list[str]:
@@ -186,7 +213,8 @@ def check_delta(model, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -
     missing = [k for k in [f"{p}.weight" for p in paths] + list(full) if k not in params]
     if missing:
         raise ValueError(f"the delta names {missing[0]}, which the base model does not have")
-    linears, layers = set(converted_linears(model)), tuple(f"{p}." for p in converted_attention(model))
+    linears = set(converted_linears(model)) | set(mlp_linears(model))
+    layers = tuple(f"{p}." for p in converted_attention(model))
     foreign = [p for p in paths if p not in linears] + [k for k in full if not k.startswith(layers)]
     if foreign:
         raise ValueError(f"the delta names {foreign[0]}, which is not in a converted layer of the base model")
@@ -211,22 +239,27 @@ def check_base(model, tensors: dict[str, torch.Tensor], meta: dict[str, str]) ->
 
 
 def resume_from_delta(model, tensors: dict[str, torch.Tensor], meta: dict[str, str], full_rank: bool = False,
-                      lora_only: bool = False) -> tuple[list[nn.Parameter], Record]:
+                      lora_only: bool = False, mlp: bool = False) -> tuple[list[nn.Parameter], Record]:
     """Put the converted `model` where a delta's training ended, to train on: the delta's stage-0 record
     applied, LoRA attached at the delta's rank and alpha with its factors loaded, its whole parameters copied
     (in place). Returns (trainable parameters, the record), as `attach_lora` and `initialise` would; the
-    delta must fit and belong to this base (`check_base`); `full_rank` and `lora_only` are the run's settings."""
+    delta must fit and belong to this base (`check_base`); `full_rank`, `lora_only` and `mlp` are the run's
+    settings. `mlp` may add MLP LoRA to a delta that had none: those factors start at zero."""
     check_base(model, tensors, meta)
     record, paths, full = _parts(tensors)
     apply_init(model, record)
-    trainable = attach_lora(model, int(meta["rank"]), float(meta["alpha"]), full_rank=full_rank, lora_only=lora_only)
+    trainable = attach_lora(model, int(meta["rank"]), float(meta["alpha"]), full_rank=full_rank, lora_only=lora_only,
+                            mlp=mlp)
     loras = _lora_modules(model)
-    if sorted(loras) != paths:
+    new = set(loras) - set(paths)
+    if not set(paths) <= set(loras) or not new <= set(mlp_linears(model)):
         raise ValueError(f"the delta has LoRA factors on {len(paths)} projections, this run would train "
-                         f"{len(loras)}: resume with the --full-rank setting the delta was trained with")
+                         f"{len(loras)}: resume with the --full-rank and --mlp-lora settings of the delta's run")
     params = dict(model.named_parameters())
     with torch.no_grad():
         for p, lora in loras.items():
+            if p in new:
+                continue
             lora.lora_A.copy_(tensors[f"{p}.lora_A"].to(lora.lora_A.dtype))
             lora.lora_B.copy_(tensors[f"{p}.lora_B"].to(lora.lora_B.dtype))
         for name, value in full.items():
