@@ -8,7 +8,9 @@ Two steps per context: one decode step of `--num-reqs` requests, and one prefill
 `--prefill-rows` rows of one request (the last rows of the context, as chunked prefill runs them).
 The HySparse oracle runs twice: the C++ tiled kernel (`csrc_triton/oracle/cpu_tiled.cpp`, the
 serving path) and the previous path (C++ decode kernel or PyTorch GEMMs, selection in PyTorch),
-so one run gives the before/after ratio.
+so one run gives the before/after ratio. The HySparse2 token oracle too: the tiled kernel's logits with
+the C++ selection (`csrc_triton/token_oracle/cpu_select.cpp`) for every row, and the previous path
+(the kernel's logits for decode rows, PyTorch GEMMs for prefill rows, selection in PyTorch).
 
 Shapes are the `small` presets' (HySparse: 12 heads, 4 KV groups, D 64, 16 blocks of 64;
 HySparse2: 12 heads, MQA, D 64, 1024 tokens + a 128 window). Every role runs the batched
@@ -33,6 +35,7 @@ import torch
 
 import csrc_triton.oracle.batched as oracle_batched
 import csrc_triton.paged_batch as paged_batch_module
+import csrc_triton.token_oracle.batched as token_oracle_batched
 from csrc_triton import cpu_ext
 from csrc_triton.block_sparse.batched import block_sparse_attention_batched
 from csrc_triton.oracle.batched import oracle_attention_batched
@@ -111,6 +114,19 @@ def previous_oracle(fn):
     return run
 
 
+def previous_token_oracle(fn):
+    """`fn` run on the token oracle's previous CPU path: decode rows through the C++ kernel's logits, prefill rows
+    through PyTorch GEMMs, the selection in PyTorch (no `token_oracle/cpu_select.cpp`)."""
+    def run():
+        saved = token_oracle_batched.cpu_kernels
+        token_oracle_batched.cpu_kernels = lambda *a: None
+        try:
+            return fn()
+        finally:
+            token_oracle_batched.cpu_kernels = saved
+    return run
+
+
 def hysparse_prefill(ctx, rows, reps):
     """One prefill chunk: the last `rows` rows of one request of `ctx` positions."""
     s = HYSPARSE
@@ -148,7 +164,8 @@ def hysparse2_prefill(ctx, rows, reps):
                                               plan=plan)
 
     return {
-        f"prefill {rows} rows: token_oracle": median_ms(token_oracle, reps),
+        f"prefill {rows} rows: token_oracle (C++)": median_ms(token_oracle, reps),
+        f"prefill {rows} rows: token_oracle (previous path)": median_ms(previous_token_oracle(token_oracle), reps),
         f"prefill {rows} rows: dense (vLLM CPU, G=1)": vllm_dense(1, ctx, s["heads"], s["groups"], s["dim"], reps,
                                                                  q_len=rows),
     }
@@ -187,8 +204,13 @@ def hysparse2_roles(num_reqs, ctx, reps):
     kwargs = dict(scale=0.125, topk_tokens=s["topk"], recent_window=s["window"], plan=plan)
     _, ids = token_oracle_attention_batched(*args, **kwargs)
     sinks = torch.zeros(s["heads"])
+
+    def token_oracle():
+        return token_oracle_attention_batched(*args, **kwargs)
+
     return {
-        "token_oracle": median_ms(lambda: token_oracle_attention_batched(*args, **kwargs), reps),
+        "token_oracle (C++)": median_ms(token_oracle, reps),
+        "token_oracle (previous path)": median_ms(previous_token_oracle(token_oracle), reps),
         "token_sparse": median_ms(lambda: token_sparse_attention_batched(
             *args, ids, scale=0.125, sinks=sinks, plan=plan), reps),
         "dense (vLLM CPU, G=1)": vllm_dense(num_reqs, ctx, s["heads"], s["groups"], s["dim"], reps),

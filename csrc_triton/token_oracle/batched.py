@@ -5,12 +5,25 @@ The exact probabilities of the output also rank the tokens, so every key is
 scored once. Decode rows of all requests run together. The top-k is a
 `torch.topk` threshold plus an ordered tie fill, which keeps SPEC's tie rule
 (smaller position first) without sorting every row.
+
+Where the C++ kernels are built (float32, vLLM's interleaved pages, D_k == D_v),
+every row runs through the tiled oracle kernel, which writes its logits and
+log-sum-exps, and the selection runs in C++ on them (`cpu_select.cpp`): the
+same threshold and tie fill, linear in the context, with no PyTorch top-k.
 """
 
 import torch
 
+from csrc_triton import cpu_ext
 from csrc_triton.paged_args import check_paged_batch, kv_scaled
-from csrc_triton.paged_batch import BatchPlan, oracle_attention_rows, plan_or_make
+from csrc_triton.paged_batch import (
+    ELEMENT_BUDGET,
+    BatchPlan,
+    chunks,
+    cpu_kernel_pages,
+    oracle_attention_rows,
+    plan_or_make,
+)
 
 REDUCES = ("max", "sum")
 
@@ -91,8 +104,71 @@ def token_oracle_attention_batched(q, k_cache, v_cache, block_table, query_start
     indices = torch.full((q.shape[0], k_cache.shape[1], width), -1, dtype=torch.int32, device=q.device)
     out[plan.num_tokens:].zero_()
 
+    kernels = cpu_kernels(q, k_cache, v_cache)
+    if kernels is not None:
+        run_cpu_kernels(q, *kernels, block_table, plan, out, indices, scale=scale, topk_tokens=topk_tokens,
+                        recent_window=recent_window, reduce=score_head_reduce)
+        return out, indices
+
     def select(z, lse, limit):
         return select_from_logits(z, lse, limit, topk_tokens, recent_window, score_head_reduce)
 
     oracle_attention_rows(q, k_cache, v_cache, block_table, plan, out, indices, scale=scale, select=select)
     return out, indices
+
+
+# Logits the C++ path holds at once, in floats: bounds the rows of a chunk (128 MB; 455 rows of 9 heads at 8k).
+LOGIT_BUDGET = 2 * ELEMENT_BUDGET
+# The logits scratch, kept between calls: a fresh 128 MB buffer costs a page fault per 4 KB on its first write,
+# which was a third of a 2,048-row prefill chunk at 8k (896 -> 681 ms with the buffer kept, one core).
+_SCRATCH: dict[str, torch.Tensor] = {}
+
+
+def _scratch(numel: int) -> torch.Tensor:
+    """A float32 buffer of at least `numel` elements, reused by every call (one engine thread runs the layers)."""
+    buf = _SCRATCH.get("logits")
+    if buf is None or buf.numel() < numel:
+        buf = _SCRATCH["logits"] = torch.empty(numel)
+    return buf[:numel]
+
+
+def cpu_kernels(q, k_cache, v_cache):
+    """(pages, tiled oracle, token select) where the C++ path applies, else None (then PyTorch runs)."""
+    base = cpu_kernel_pages(k_cache, v_cache)
+    if base is None:
+        return None
+    tiled, select = cpu_ext.load("oracle_tiled"), cpu_ext.load("token_select")
+    if tiled is None or select is None or q.shape[-1] not in tiled.SUPPORTED_DIMS:
+        return None
+    return base, tiled, select
+
+
+def run_cpu_kernels(q, pages, tiled, select, block_table, plan: BatchPlan, out, indices, *, scale, topk_tokens,
+                    recent_window, reduce) -> None:
+    """Every row of a step through the C++ kernels: decode rows together, each prefill run in chunks of rows.
+
+    A chunk's rows are scored against `num_keys` keys (a host bound from the plan: the longest decode, or the
+    last row of the run's chunk); the tiled oracle writes their output, logits `[n, H, num_keys]` and lse
+    `[n, H]` (one block spanning every key, no block top-k), and `token_select` turns those into S_t.
+    """
+    heads, groups = q.shape[1], indices.shape[1]
+    parts = [(plan.decode_rows, plan.decode_reqs, plan.decode_lens - 1, plan.max_decode_len)]
+    for run in plan.prefills:
+        rows = torch.arange(run.start, run.end, device=q.device)
+        for s, e in chunks(run.end - run.start, LOGIT_BUDGET // (heads * run.seq_len)):
+            reqs = torch.full((e - s,), run.req, device=q.device)
+            parts.append((rows[s:e], reqs, plan.row_pos[run.start + s:run.start + e], run.first_pos + e))
+    for rows, reqs, pos, num_keys in parts:
+        num_keys = max(num_keys, 1)
+        for s, e in chunks(rows.shape[0], LOGIT_BUDGET // (heads * num_keys)):
+            r, n = rows[s:e], e - s
+            qr, pr = q[r].float().contiguous(), pos[s:e].contiguous()
+            o = torch.empty_like(qr)
+            buf = _scratch(n * heads * (num_keys + 1))
+            logits, lse = buf[:n * heads * num_keys].view(n, heads, num_keys), buf[n * heads * num_keys:].view(n, heads)
+            tiled.oracle_tiled(qr, pages, block_table, reqs[s:e].contiguous(), pr, num_keys, 0, scale, o,
+                               torch.empty(n, groups, 0, dtype=torch.int32), torch.empty(0), logits, lse)
+            ids = torch.empty(n, groups, indices.shape[2], dtype=torch.int32)
+            select.token_select(logits, lse, pr, groups, topk_tokens, recent_window, reduce == "sum", ids)
+            out[r] = o.to(out.dtype)
+            indices[r] = ids

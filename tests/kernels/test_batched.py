@@ -43,11 +43,13 @@ def prefill_path(request, monkeypatch):
 @pytest.fixture(params=["tiled", "onepass", "torch"])
 def decode_path(request, monkeypatch):
     """Decode rows of the oracles: the C++ kernels (float32, interleaved pages), tiled (`oracle/cpu_tiled.cpp`)
-    or, where that one is not built, one-pass (`oracle/cpu_decode.cpp`), or the gathered PyTorch path."""
+    or, where that one is not built, one-pass (`oracle/cpu_decode.cpp`), or the gathered PyTorch path. With the
+    tiled kernel, the token oracle runs every row (prefill too) through it and selects in C++
+    (`token_oracle/cpu_select.cpp`); otherwise its prefill rows and its selection are PyTorch."""
     load = cpu_ext.load
-    if request.param != "torch":
-        assert load(request.param == "tiled" and "oracle_tiled" or "oracle_decode") is not None, \
-            "the C++ CPU kernels must build here (see csrc_triton/cpu_ext.py)"
+    needed = {"tiled": ("oracle_tiled", "token_select"), "onepass": ("oracle_decode",), "torch": ()}
+    for name in needed[request.param]:
+        assert load(name) is not None, f"the C++ CPU kernel {name} must build here (see csrc_triton/cpu_ext.py)"
     if request.param == "onepass":
         monkeypatch.setattr(cpu_ext, "load",
                             lambda name="oracle_decode": None if name == "oracle_tiled" else load(name))
@@ -139,6 +141,28 @@ def test_select_tokens_matches_sorting(topk, window):
     got = select_tokens(r, pos, topk, window)
     want = select_tokens_naive(r, pos, topk, window)
     assert torch.equal(got, want.long())
+
+
+@pytest.mark.parametrize("reduce", ["max", "sum"])
+@pytest.mark.parametrize("topk,window", [(5, 4), (0, 6), (7, 0), (40, 3), (1, 1)])
+def test_cpp_token_select_matches_sorting(topk, window, reduce):
+    """`cpu_select.cpp` from logits and lse equals the naive stable sort of R = reduce_h exp(z_h - lse_h), on
+    logits of a few distinct values (exact ties everywhere, some -inf) and rows at every position; every slot of
+    the poisoned output is written."""
+    seed = int(torch.randint(1 << 30, ()))
+    print(f"seed {seed}")
+    g = torch.Generator().manual_seed(seed)
+    n, groups, per_group, length = 60, 3, 2, 37
+    z = torch.randint(-3, 1, (n, groups * per_group, length), generator=g).float()
+    z[torch.rand(z.shape, generator=g) < 0.1] = float("-inf")
+    lse = torch.randn(n, groups * per_group, generator=g)
+    pos = torch.randint(0, length, (n,), generator=g)
+    ids = torch.full((n, groups, topk + window), 1 << 20, dtype=torch.int32)
+    cpu_ext.load("token_select").token_select(z, lse, pos, groups, topk, window, reduce == "sum", ids)
+    p = torch.exp(z - lse[..., None]).view(n, groups, per_group, length)
+    r = p.amax(dim=2) if reduce == "max" else p.sum(dim=2)
+    want = select_tokens_naive(r, pos, topk, window)
+    assert torch.equal(ids.long(), want.long()), f"{(ids.long() != want.long()).any(-1).sum()} of {n * groups} differ"
 
 
 # family -> (its case module, random selection of a batch, naive twin, batched twin)
