@@ -163,8 +163,19 @@ def hysparse2_prefill(ctx, rows, reps):
                                               scale=0.125, topk_tokens=s["topk"], recent_window=s["window"],
                                               plan=plan)
 
+    def attention_alone():
+        """The tiled kernel on the same rows without logits: the attention the C++ path cannot go below."""
+        n, heads = q.shape[:2]
+        pos = torch.arange(ctx - rows, ctx)
+        tiled.oracle_tiled(q, kv, table, torch.zeros(n, dtype=torch.long), pos, ctx, 0, 0.125, torch.empty_like(q),
+                           torch.empty(n, s["groups"], 0, dtype=torch.int32), torch.empty(0), torch.empty(0),
+                           torch.empty(0))
+
+    tiled = cpu_ext.load("oracle_tiled")
     return {
         f"prefill {rows} rows: token_oracle (C++)": median_ms(token_oracle, reps),
+        f"prefill {rows} rows: token_oracle attention alone (tiled kernel, no logits)": median_ms(attention_alone,
+                                                                                                  reps),
         f"prefill {rows} rows: token_oracle (previous path)": median_ms(previous_token_oracle(token_oracle), reps),
         f"prefill {rows} rows: dense (vLLM CPU, G=1)": vllm_dense(1, ctx, s["heads"], s["groups"], s["dim"], reps,
                                                                  q_len=rows),
