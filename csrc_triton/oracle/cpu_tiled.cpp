@@ -3,7 +3,7 @@
 // query row of a step (decode rows and prefill rows, chunked prefill included) over its request's
 // pages, plus the top-k blocks of Eq. 3, without materialising the [rows, context] logits.
 //
-// A task is a tile of up to ORACLE_TILE_ROWS consecutive rows of one request and one KV group: its query
+// A task is a tile of up to `tile_rows` consecutive rows of one request and one KV group: its query
 // vectors (rows x the group's heads) walk the request's keys KEYS at a time, straight from the
 // pages, with an online softmax. Each query vector keeps the running max u of every sparse block it
 // has seen; after the pass its final statistics turn u into the Eq. 3 score exp(u - lse), the group
@@ -40,8 +40,18 @@ namespace {
 
 // Rows per task: each tile of keys is loaded and transposed once for all of a task's query vectors, so a taller
 // task spends less on that per query vector (16 -> 64 rows, one core: 512 prefill rows on 2048 keys 45 -> 39 ms, 1024 rows
-// on 8192 keys 403 -> 335 ms; 128 rows gains little more).
-constexpr int64_t ORACLE_TILE_ROWS = 64;
+// on 8192 keys 403 -> 335 ms), most of all with few heads per KV group: 2,048 prefill rows on 8,192 keys, 4 groups
+// of 3 heads, one core, 549 ms at 64 rows and 483 at 256 (benchmarks/results/attention_micro_2026-12-06_0156.md,
+// _0203.md). A tile is as tall as that while the step still gives every thread two tasks (`tile_rows`). Not with
+// logits: a task writes a row of logits per query vector at every key tile, and 12 heads x 227 rows of such streams
+// made the token oracle's chunk slower than 64 rows do (789 against 706 ms, _0202_tall_logit_tiles.md, _0203.md).
+constexpr int64_t ORACLE_TILE_ROWS = 256, ORACLE_MIN_TILE_ROWS = 64;
+
+inline int64_t tile_rows(int64_t rows, int64_t groups, bool logits) {
+  if (logits) return ORACLE_MIN_TILE_ROWS;
+  const int64_t per_task = rows * groups / (2 * std::max(1, at::get_num_threads()));
+  return std::clamp<int64_t>(per_task, ORACLE_MIN_TILE_ROWS, ORACLE_TILE_ROWS);
+}
 
 struct Problem {
   const float* q;       // [N, H, D]
@@ -326,9 +336,10 @@ void oracle_tiled(at::Tensor q, at::Tensor kv, at::Tensor block_table, at::Tenso
   const int64_t page = pb.page;
   std::vector<Task> tasks;
   std::vector<int64_t> singles;  // rows alone in their tile (decode rows): candidates for a shared prefix
+  const int64_t tile = tile_rows(n, groups, has_logits);
   for (int64_t r0 = 0; r0 < n;) {
     int64_t r1 = r0 + 1, last = ps[r0];
-    while (r1 < n && r1 - r0 < ORACLE_TILE_ROWS && rq[r1] == rq[r0]) last = std::max(last, ps[r1++]);
+    while (r1 < n && r1 - r0 < tile && rq[r1] == rq[r0]) last = std::max(last, ps[r1++]);
     if (r1 - r0 == 1 && ps[r0] + 1 >= SHARED_MIN_KEYS) {
       singles.push_back(r0);
     } else {
@@ -350,8 +361,8 @@ void oracle_tiled(at::Tensor q, at::Tensor kv, at::Tensor block_table, at::Tenso
     }
     const int64_t slot0 = static_cast<int64_t>(parts.rows.size()), slot1 = slot0 + c.rows, keys = c.pages * page;
     parts.rows.insert(parts.rows.end(), singles.begin() + c.first, singles.begin() + c.first + c.rows);
-    for (int64_t s0 = slot0; s0 < slot1; s0 += ORACLE_TILE_ROWS) {
-      const int64_t rows = std::min(ORACLE_TILE_ROWS, slot1 - s0);
+    for (int64_t s0 = slot0; s0 < slot1; s0 += tile) {
+      const int64_t rows = std::min(tile, slot1 - s0);
       for (int64_t g = 0; g < groups; ++g) tasks.push_back({-1, rows, g, 0, keys, parts.rows.data() + s0, s0, 0});
     }
     for (int64_t s = slot0; s < slot1; ++s) {

@@ -17,12 +17,14 @@ from tests.kernels import oracle_cases as orc
 POISON = 12345
 # cases of the oracle tests (`oracle_cases`) whose caches are vLLM's interleaved pages (the layout the kernel
 # reads), and more: chunked prefill runs of several requests (GQA 12/4, the `small` preset's shape), a tile of
-# 16 rows split over requests, MQA, a block shorter than a key tile and one longer than a page
+# 16 rows split over requests, MQA, a block shorter than a key tile and one longer than a page, tiles of 256 rows
 CASES = [c for c in orc.CASES + [orc.DECODE, orc.LONG] if c.layout == "hnd"] + [
     Case([37, 1, 50, 1], [300, 129, 50, 2], num_heads=12, num_kv_heads=4, head_dim=64, block_size=64, topk=3,
              page_size=32, pad_tokens=3),
     Case([17, 16, 1], [17, 80, 900], num_heads=12, num_kv_heads=1, head_dim=64, block_size=16, topk=5),
     Case([5, 33], [260, 33], num_heads=4, num_kv_heads=2, head_dim=32, block_size=96, topk=2, page_size=64),
+    # a prefill run taller than the tallest tile (256 rows: `tile_rows` at one or two threads) beside a decode row
+    Case([300, 1], [700, 90], num_heads=12, num_kv_heads=4, head_dim=64, block_size=64, topk=4, page_size=32),
 ]
 
 
