@@ -17,6 +17,7 @@ Writes `benchmarks/results/smollm2/layer_swap_<date>_<HHMM>.{md,json}` and print
 import argparse
 import datetime
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -110,7 +111,7 @@ def main(argv=None) -> int:
         modeling_hysparse.gate_logits = saved
 
     stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H%M")
-    command = "python benchmarks/smollm2_layer_swap.py " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
+    command = "python benchmarks/smollm2_layer_swap.py " + " ".join(sys.argv[1:] if argv is None else argv)
     base = rows["student (every switch on)"]["kl"]
     lines = [f"# Where the HySparse student differs from its teacher ({stamp})", "",
              f"`{command}`: student `{args.student.name}`, one window of {args.tokens} tokens of held-out text; "
