@@ -117,7 +117,7 @@ def token_oracle_attention_batched(q, k_cache, v_cache, block_table, query_start
     return out, indices
 
 
-# Logits the C++ path holds at once, in floats: bounds the rows of a chunk (128 MB; 455 rows of 9 heads at 8k).
+# Logits the C++ path holds at once, in floats: bounds the rows of a chunk (128 MB; 341 rows of 12 heads at 8k).
 LOGIT_BUDGET = 2 * ELEMENT_BUDGET
 # The logits scratch, kept between calls: a fresh 128 MB buffer pays a page fault per 4 KB on its first write, which
 # on a 2,048-row prefill chunk at 8k cost more than the selection itself.
