@@ -10,7 +10,7 @@ The HySparse oracle runs twice: the C++ tiled kernel (`csrc_triton/oracle/cpu_ti
 serving path) and the previous path (C++ decode kernel or PyTorch GEMMs, selection in PyTorch),
 so one run gives the before/after ratio. The HySparse2 token oracle too: the tiled kernel's logits with
 the C++ selection (`csrc_triton/token_oracle/cpu_select.cpp`) for every row, and the previous path
-(the kernel's logits for decode rows, PyTorch GEMMs for prefill rows, selection in PyTorch).
+(the one-pass C++ kernel's logits for decode rows, PyTorch GEMMs for prefill rows, selection in PyTorch).
 
 Shapes are the `small` presets' (HySparse: 12 heads, 4 KV groups, D 64, 16 blocks of 64;
 HySparse2: 12 heads, MQA, D 64, 1024 tokens + a 128 window). Every role runs the batched
@@ -34,7 +34,6 @@ from pathlib import Path
 import torch
 
 import csrc_triton.oracle.batched as oracle_batched
-import csrc_triton.paged_batch as paged_batch_module
 import csrc_triton.token_oracle.batched as token_oracle_batched
 from csrc_triton import cpu_ext
 from csrc_triton.block_sparse.batched import block_sparse_attention_batched
@@ -104,19 +103,19 @@ def previous_oracle(fn):
     """`fn` run on the oracle's previous CPU path (no tiled kernel: the one-pass C++ decode kernel or PyTorch
     GEMMs, selection in PyTorch)."""
     def run():
-        saved = oracle_batched.tiled_kernel, paged_batch_module.decode_kernel
+        saved = oracle_batched.tiled_kernel
         oracle_batched.tiled_kernel = lambda *a: None
-        paged_batch_module.decode_kernel = lambda head_dim: cpu_ext.load("oracle_decode").paged_decode
         try:
             return fn()
         finally:
-            oracle_batched.tiled_kernel, paged_batch_module.decode_kernel = saved
+            oracle_batched.tiled_kernel = saved
     return run
 
 
 def previous_token_oracle(fn):
-    """`fn` run on the token oracle's previous CPU path: decode rows through the C++ kernel's logits, prefill rows
-    through PyTorch GEMMs, the selection in PyTorch (no `token_oracle/cpu_select.cpp`)."""
+    """`fn` run on the token oracle's previous CPU path: decode rows through the one-pass C++ kernel's logits,
+    prefill rows through PyTorch GEMMs, the selection in PyTorch (no `token_oracle/cpu_select.cpp`). Results up to
+    2026-12-06_0203 took decode rows through the tiled kernel's logits instead."""
     def run():
         saved = token_oracle_batched.cpu_kernels
         token_oracle_batched.cpu_kernels = lambda *a: None

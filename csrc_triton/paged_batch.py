@@ -381,26 +381,11 @@ def sparse_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens
     return out
 
 
-def decode_kernel(head_dim: int):
+def decode_kernel():
     """`(q [N, H, D], pages, block_table, reqs [N], lens [N], num_keys, scale) -> (out [N, H, D], logits
-    [N, H, num_keys] (-inf past each row's length), lse [N, H])` in C++, or None (then PyTorch runs).
-
-    The tiled oracle kernel where it is built for this head dim (vector scores, and one walk of a prefix that
-    rows share: `oracle/cpu_tiled.cpp`), else the one-pass decode kernel (`oracle/cpu_decode.cpp`).
-    """
-    tiled = cpu_ext.load("oracle_tiled")
-    if tiled is not None and head_dim in tiled.SUPPORTED_DIMS:
-        def run(q, pages, block_table, reqs, lens, num_keys, scale):
-            n, heads = q.shape[:2]
-            q = q.contiguous()
-            out, lse = torch.empty_like(q), torch.empty(n, heads)
-            logits = torch.empty(n, heads, num_keys)
-            no_ids = torch.empty(n, pages.shape[1], 0, dtype=torch.int32)
-            # one block as long as the longest row and no top-k: only the exact attention and the logits
-            tiled.oracle_tiled(q, pages, block_table, reqs.contiguous(), lens - 1, max(num_keys, 1), 0, scale, out,
-                               no_ids, torch.empty(0), logits, lse)
-            return out, logits, lse
-        return run
+    [N, H, num_keys] (-inf past each row's length), lse [N, H])` in C++ (`oracle/cpu_decode.cpp`), or None (then
+    PyTorch runs). Where the tiled kernel is built, neither oracle comes here: the block oracle calls it directly
+    (`oracle/batched.py`), the token oracle with its C++ selection (`token_oracle/batched.py`)."""
     ext = cpu_ext.load()
     return None if ext is None else ext.paged_decode
 
@@ -430,7 +415,7 @@ def oracle_attention_rows(q, k_cache, v_cache, block_table, plan: BatchPlan, out
     if plan.num_decodes:
         num_keys = plan.max_decode_len
         base = cpu_kernel_pages(k_cache, v_cache)
-        decode = decode_kernel(head_dim) if base is not None else None
+        decode = decode_kernel() if base is not None else None
         per_req = num_keys * (num_heads if decode else num_kv_heads * (head_dim + head_dim_v) + 3 * num_heads)
         for s, e in chunks(plan.num_decodes, ELEMENT_BUDGET // per_req):
             rows, reqs, lens = plan.decode_rows[s:e], plan.decode_reqs[s:e], plan.decode_lens[s:e]

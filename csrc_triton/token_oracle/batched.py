@@ -152,23 +152,28 @@ def run_cpu_kernels(q, pages, tiled, select, block_table, plan: BatchPlan, out, 
     `[n, H]` (one block spanning every key, no block top-k), and `token_select` turns those into S_t.
     """
     heads, groups = q.shape[1], indices.shape[1]
-    parts = [(plan.decode_rows, plan.decode_reqs, plan.decode_lens - 1, plan.max_decode_len)]
+    for rows, reqs, pos, num_keys in _row_chunks(plan, heads, q.device):
+        n = rows.shape[0]
+        qr, pr = q[rows].float().contiguous(), pos.contiguous()
+        o = torch.empty_like(qr)
+        buf = _scratch(n * heads * (num_keys + 1))
+        logits, lse = buf[:n * heads * num_keys].view(n, heads, num_keys), buf[n * heads * num_keys:].view(n, heads)
+        tiled.oracle_tiled(qr, pages, block_table, reqs.contiguous(), pr, num_keys, 0, scale, o,
+                           torch.empty(n, groups, 0, dtype=torch.int32), torch.empty(0), logits, lse)
+        ids = torch.empty(n, groups, indices.shape[2], dtype=torch.int32)
+        select.token_select(logits, lse, pr, groups, topk_tokens, recent_window, reduce == "sum", ids)
+        out[rows] = o.to(out.dtype)
+        indices[rows] = ids
+
+
+def _row_chunks(plan: BatchPlan, heads: int, device):
+    """(rows, their requests, their positions, keys to score) for chunks whose logits fit `LOGIT_BUDGET`: the
+    decode rows (scored against the longest decode), then each prefill run's rows (against the chunk's last row)."""
+    num_keys = max(plan.max_decode_len, 1)
+    for s, e in chunks(plan.num_decodes, LOGIT_BUDGET // (heads * num_keys)):
+        yield plan.decode_rows[s:e], plan.decode_reqs[s:e], plan.decode_lens[s:e] - 1, num_keys
     for run in plan.prefills:
-        rows = torch.arange(run.start, run.end, device=q.device)
         for s, e in chunks(run.end - run.start, LOGIT_BUDGET // (heads * run.seq_len)):
-            reqs = torch.full((e - s,), run.req, device=q.device)
-            parts.append((rows[s:e], reqs, plan.row_pos[run.start + s:run.start + e], run.first_pos + e))
-    for rows, reqs, pos, num_keys in parts:
-        num_keys = max(num_keys, 1)
-        for s, e in chunks(rows.shape[0], LOGIT_BUDGET // (heads * num_keys)):
-            r, n = rows[s:e], e - s
-            qr, pr = q[r].float().contiguous(), pos[s:e].contiguous()
-            o = torch.empty_like(qr)
-            buf = _scratch(n * heads * (num_keys + 1))
-            logits, lse = buf[:n * heads * num_keys].view(n, heads, num_keys), buf[n * heads * num_keys:].view(n, heads)
-            tiled.oracle_tiled(qr, pages, block_table, reqs[s:e].contiguous(), pr, num_keys, 0, scale, o,
-                               torch.empty(n, groups, 0, dtype=torch.int32), torch.empty(0), logits, lse)
-            ids = torch.empty(n, groups, indices.shape[2], dtype=torch.int32)
-            select.token_select(logits, lse, pr, groups, topk_tokens, recent_window, reduce == "sum", ids)
-            out[r] = o.to(out.dtype)
-            indices[r] = ids
+            a, b = run.start + s, run.start + e
+            yield (torch.arange(a, b, device=device), torch.full((e - s,), run.req, device=device),
+                   plan.row_pos[a:b], run.first_pos + e)
