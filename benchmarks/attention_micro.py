@@ -99,31 +99,29 @@ def vllm_dense(num_reqs, ctx, heads, groups, dim, reps, q_len=1):
     return median_ms(step, reps)
 
 
-def previous_oracle(fn):
-    """`fn` run on the oracle's previous CPU path (no tiled kernel: the one-pass C++ decode kernel or PyTorch
-    GEMMs, selection in PyTorch)."""
+def without(module, finder: str, fn):
+    """`fn` run with `module.<finder>` (a kernel finder) answering None: the role's previous CPU path."""
     def run():
-        saved = oracle_batched.tiled_kernel
-        oracle_batched.tiled_kernel = lambda *a: None
+        saved = getattr(module, finder)
+        setattr(module, finder, lambda *a: None)
         try:
             return fn()
         finally:
-            oracle_batched.tiled_kernel = saved
+            setattr(module, finder, saved)
     return run
+
+
+def previous_oracle(fn):
+    """`fn` run on the oracle's previous CPU path (no tiled kernel: the one-pass C++ decode kernel or PyTorch
+    GEMMs, selection in PyTorch)."""
+    return without(oracle_batched, "tiled_kernel", fn)
 
 
 def previous_token_oracle(fn):
     """`fn` run on the token oracle's previous CPU path: decode rows through the one-pass C++ kernel's logits,
     prefill rows through PyTorch GEMMs, the selection in PyTorch (no `token_oracle/cpu_select.cpp`). Results up to
     2026-12-06_0203 took decode rows through the tiled kernel's logits instead."""
-    def run():
-        saved = token_oracle_batched.cpu_kernels
-        token_oracle_batched.cpu_kernels = lambda *a: None
-        try:
-            return fn()
-        finally:
-            token_oracle_batched.cpu_kernels = saved
-    return run
+    return without(token_oracle_batched, "cpu_kernels", fn)
 
 
 def hysparse_prefill(ctx, rows, reps):
