@@ -65,7 +65,7 @@ def _is_built(name: str) -> bool:
 
     module = _module_name(name)
     lib = Path(_get_build_directory(module, verbose=False)) / f"{module}.so"
-    sources = (_SOURCES[name], Path(__file__).parent / "cpu_online_softmax.h")
+    sources = (_SOURCES[name], Path(__file__).parent / "cpu_online_softmax.h", Path(__file__).parent / "cpu_tile.h")
     return lib.exists() and lib.stat().st_mtime >= max(s.stat().st_mtime for s in sources if s.exists())
 
 

@@ -13,7 +13,7 @@
 namespace {
 
 typedef float v8 __attribute__((vector_size(32)));
-constexpr int64_t KEYS = 32;       // keys per tile (4 vectors of 8)
+constexpr int64_t KEYS = 32;       // keys per tile (4 vectors of 8); the helpers below take others (KT)
 constexpr int64_t TILE_ROWS = 16;  // rows per prefill task
 constexpr int64_t DIRECT_MAX = 4;  // tasks with at most this many query vectors dot keys directly
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
@@ -110,58 +110,58 @@ inline v8 score8(const V* q, const float* const* kp) {
   return hsum8(part);
 }
 
-// Scores of `count` keys (< KEYS), pointers `kp`, for `nq` query vectors `qs` [nq, DIM] -> s [nq, KEYS]; for the
+// Scores of `count` keys (< KT), pointers `kp`, for `nq` query vectors `qs` [nq, DIM] -> s [nq, KT]; for the
 // few query vectors of a decode tile, where a transposed copy of the keys would not pay for itself. Eight keys
 // at a time per query vector (its vectors held in registers), the rest one at a time.
-template <int DIM, typename V = v8>
+template <int DIM, typename V = v8, int64_t KT = KEYS>
 void score_direct_v(const float* qs, int64_t nq, const float* const* kp, int64_t count, float* s) {
   constexpr int W = sizeof(V) / sizeof(float), NV = DIM / W;
   const int64_t full = count / 8 * 8;
   for (int64_t i = 0; i < nq; ++i) {
     V q[NV];
     for (int c = 0; c < NV; ++c) q[c] = loadv<V>(qs + i * DIM + W * c);
-    for (int64_t j = 0; j < full; j += 8) store8(s + i * KEYS + j, score8<NV, V>(q, kp + j));
+    for (int64_t j = 0; j < full; j += 8) store8(s + i * KT + j, score8<NV, V>(q, kp + j));
     for (int64_t j = full; j < count; ++j) {
       V a = q[0] * loadv<V>(kp[j]);
       for (int c = 1; c < NV; ++c) a += q[c] * loadv<V>(kp[j] + W * c);
       float t = 0.f;
       for (int x = 0; x < W; ++x) t += a[x];
-      s[i * KEYS + j] = t;
+      s[i * KT + j] = t;
     }
   }
 }
 
-// NQ query vectors' scores of a transposed tile kt [DIM, KEYS]: KEYS / W keys per FMA (W floats a vector V),
-// NQ x KEYS / W accumulators.
-template <int DIM, int NQ, typename V = v8>
+// NQ query vectors' scores of a transposed tile kt [DIM, KT]: W keys per FMA (W floats a vector V), NQ x KT / W
+// accumulators.
+template <int DIM, int NQ, typename V = v8, int64_t KT = KEYS>
 inline void score_n(const float* qs, const float* kt, float* s) {
-  constexpr int W = sizeof(V) / sizeof(float), NK = KEYS / W;
+  constexpr int W = sizeof(V) / sizeof(float), NK = KT / W;
   V a[NQ][NK];
   for (int q = 0; q < NQ; ++q)
     for (int c = 0; c < NK; ++c) a[q][c] = splatv<V>(0.f);
   for (int d = 0; d < DIM; ++d) {
     V k[NK];
-    for (int c = 0; c < NK; ++c) k[c] = loadv<V>(kt + d * KEYS + c * W);
+    for (int c = 0; c < NK; ++c) k[c] = loadv<V>(kt + d * KT + c * W);
     for (int q = 0; q < NQ; ++q) {
       const V x = splatv<V>(qs[q * DIM + d]);
       for (int c = 0; c < NK; ++c) a[q][c] += x * k[c];
     }
   }
   for (int q = 0; q < NQ; ++q)
-    for (int c = 0; c < NK; ++c) storev<V>(s + q * KEYS + c * W, a[q][c]);
+    for (int c = 0; c < NK; ++c) storev<V>(s + q * KT + c * W, a[q][c]);
 }
 
 #ifdef __AVX512F__
 // 16-float vectors where the CPU has AVX-512: twice the work per FMA of the prefill tiles' inner loops.
 typedef float v16 __attribute__((vector_size(64)));
 
-// `exp8` on 16 floats (the same reduction and polynomial in AVX-512).
+// `exp8` on 16 floats: the same reduction and polynomial, with the scale by 2^n as one `vscalefps` (no
+// exponent-bit arithmetic, hence no clamp of the input; an overflow gives +inf as expf does).
 inline v16 exp16(v16 x) {
   const __m512 in = reinterpret_cast<__m512&>(x);
-  const __m512 xc = _mm512_min_ps(_mm512_max_ps(in, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(in, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), in);
   r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
   __m512 p = _mm512_set1_ps(1.9875691500e-4f);
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
@@ -170,17 +170,17 @@ inline v16 exp16(v16 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  const __m512 y = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+  // -inf (and anything below -87.3, NaN too) -> exactly 0, as `exp8` (the polynomial gives NaN there)
   const __mmask16 keep = _mm512_cmp_ps_mask(in, _mm512_set1_ps(-87.3f), _CMP_GE_OQ);
-  const __m512 out = _mm512_maskz_mov_ps(keep, y);  // -inf -> 0
+  const __m512 out = _mm512_maskz_scalef_ps(keep, p, n);
   return reinterpret_cast<const v16&>(out);
 }
 
-// exp of a tile's KEYS scores in place (s[j] - mt); returns their sum. Exactly 0 where s[j] is -inf.
+// exp of a tile's KT scores in place (s[j] - mt); returns their sum. Exactly 0 where s[j] is -inf.
+template <int64_t KT = KEYS>
 inline float exp_tile(float* s, float mt) {
   v16 total = splatv<v16>(0.f);
-  for (int64_t j = 0; j < KEYS; j += 16) {
+  for (int64_t j = 0; j < KT; j += 16) {
     const v16 w = exp16(loadv<v16>(s + j) - mt);
     storev<v16>(s + j, w);
     total += w;
@@ -188,15 +188,18 @@ inline float exp_tile(float* s, float mt) {
   return _mm512_reduce_add_ps(reinterpret_cast<__m512&>(total));
 }
 
-// The maximum of a tile's KEYS scores.
+// The maximum of a tile's KT scores.
+template <int64_t KT = KEYS>
 inline float max_tile(const float* s) {
-  const __m512 a = _mm512_max_ps(_mm512_loadu_ps(s), _mm512_loadu_ps(s + 16));
+  __m512 a = _mm512_max_ps(_mm512_loadu_ps(s), _mm512_loadu_ps(s + 16));
+  for (int64_t j = 32; j < KT; j += 16) a = _mm512_max_ps(a, _mm512_loadu_ps(s + j));
   return _mm512_reduce_max_ps(a);
 }
 #else
+template <int64_t KT = KEYS>
 inline float max_tile(const float* s) {
   v8 a = load8(s);
-  for (int64_t j = 8; j < KEYS; j += 8) {
+  for (int64_t j = 8; j < KT; j += 8) {
     const v8 b = load8(s + j);
     a = a > b ? a : b;
   }
@@ -205,9 +208,10 @@ inline float max_tile(const float* s) {
   return m;
 }
 
+template <int64_t KT = KEYS>
 inline float exp_tile(float* s, float mt) {
   v8 total = splat(0.f);
-  for (int64_t j = 0; j < KEYS; j += 8) {
+  for (int64_t j = 0; j < KT; j += 8) {
     const v8 w = exp8(load8(s + j) - splat(mt));
     store8(s + j, w);
     total += w;
@@ -217,25 +221,27 @@ inline float exp_tile(float* s, float mt) {
 #endif
 
 // `score_direct_v` in 16-float vectors where the CPU has AVX-512 (half the FMAs per key), else 8-float ones.
-template <int DIM>
+template <int DIM, int64_t KT = KEYS>
 void score_direct(const float* qs, int64_t nq, const float* const* kp, int64_t count, float* s) {
 #ifdef __AVX512F__
-  if constexpr (DIM % 16 == 0) return score_direct_v<DIM, v16>(qs, nq, kp, count, s);
+  if constexpr (DIM % 16 == 0) return score_direct_v<DIM, v16, KT>(qs, nq, kp, count, s);
 #endif
-  score_direct_v<DIM, v8>(qs, nq, kp, count, s);
+  score_direct_v<DIM, v8, KT>(qs, nq, kp, count, s);
 }
 
-// Same result as `score_direct` through a transposed tile kt [DIM, KEYS]: 8 or 4 query vectors at a time in
-// 16-float vectors where the CPU has AVX-512, else 2 at a time in 8-float ones.
-template <int DIM>
+// Same result as `score_direct` through a transposed tile kt [DIM, KT]: 8 (32-key tiles) or 4 query vectors at a
+// time in 16-float vectors where the CPU has AVX-512 (16 accumulators either way), else 2 at a time in 8-float
+// ones.
+template <int DIM, int64_t KT = KEYS>
 void score_tiled(const float* qs, int64_t nq, const float* kt, float* s) {
   int64_t i = 0;
 #ifdef __AVX512F__
-  for (; i + 8 <= nq; i += 8) score_n<DIM, 8, v16>(qs + i * DIM, kt, s + i * KEYS);
-  for (; i + 4 <= nq; i += 4) score_n<DIM, 4, v16>(qs + i * DIM, kt, s + i * KEYS);
+  if constexpr (KT == 32)
+    for (; i + 8 <= nq; i += 8) score_n<DIM, 8, v16, KT>(qs + i * DIM, kt, s + i * KT);
+  for (; i + 4 <= nq; i += 4) score_n<DIM, 4, v16, KT>(qs + i * DIM, kt, s + i * KT);
 #endif
-  for (; i + 2 <= nq; i += 2) score_n<DIM, 2>(qs + i * DIM, kt, s + i * KEYS);
-  if (i < nq) score_n<DIM, 1>(qs + i * DIM, kt, s + i * KEYS);
+  for (; i + 2 <= nq; i += 2) score_n<DIM, 2, v8, KT>(qs + i * DIM, kt, s + i * KT);
+  if (i < nq) score_n<DIM, 1, v8, KT>(qs + i * DIM, kt, s + i * KT);
 }
 
 // acc[q] [DIM] += sum_j p[q][j] * V_j for NQ query vectors at once over the same `count` keys: each V vector is
@@ -286,13 +292,16 @@ inline void accumulate_many(float* const* acc, const float* const* p, int64_t nq
 
 // The online-softmax bookkeeping of a query vector before its weighted values are added: the running sum l
 // and accumulator acc [DIM] rescaled from the old max m to the new one mt, plus the tile's `sum`.
+// Nothing to rescale (no scalar exp) while the max holds, as it does for most tiles once a row has seen a few.
 template <int DIM>
 inline void online_rescale(float mt, float sum, float& m, float& l, float* acc) {
-  const float rescale = std::exp(m - mt);  // 0 while nothing was seen (m = -inf)
-  l = l * rescale + sum;
-  m = mt;
-  if (rescale != 1.f)
+  if (mt > m) {
+    const float rescale = std::exp(m - mt);  // 0 while nothing was seen (m = -inf)
+    l *= rescale;
+    m = mt;
     for (int d = 0; d < DIM; ++d) acc[d] *= rescale;
+  }
+  l += sum;
 }
 
 // A shared prefix is walked once for all its rows only when it holds at least this many keys (below that, the

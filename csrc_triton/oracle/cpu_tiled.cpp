@@ -4,12 +4,12 @@
 // pages, plus the top-k blocks of Eq. 3, without materialising the [rows, context] logits.
 //
 // A task is a tile of up to `tile_rows` consecutive rows of one request and one KV group: its query
-// vectors (rows x the group's heads) walk the request's keys KEYS at a time, straight from the
+// vectors (rows x the group's heads) walk the request's keys OKEYS (64) at a time, straight from the
 // pages, with an online softmax. Each query vector keeps the running max u of every sparse block it
 // has seen; after the pass its final statistics turn u into the Eq. 3 score exp(u - lse), the group
 // keeps the max over its heads, and the top-k runs over those block scores.
 //
-// Dot products run over keys with vector FMAs: a tile's keys are transposed once into a [D, KEYS]
+// Dot products run over keys with vector FMAs: a tile's keys are transposed once into a [D, OKEYS]
 // scratch (L1-resident) and every query vector of the task reuses it, so one FMA scores 8 keys.
 // Decode tiles have few query vectors, which would not repay the transpose: they dot the keys
 // directly (FMAs over the head dim, eight keys' sums reduced together: `score_direct`).
@@ -39,13 +39,20 @@
 namespace {
 
 // Rows per task: each tile of keys is loaded and transposed once for all of a task's query vectors, so a taller
-// task spends less on that per query vector (16 -> 64 rows, one core: 512 prefill rows on 2048 keys 45 -> 39 ms, 1024 rows
-// on 8192 keys 403 -> 335 ms), most of all with few heads per KV group: 2,048 prefill rows on 8,192 keys, 4 groups
+// task spends less on that per query vector (16 -> 64 rows, one core: 512 prefill rows on 2048 keys 45 -> 39 ms,
+// 1024 rows on 8192 keys 403 -> 335 ms), most of all with few heads per KV group: 2,048 prefill rows on 8,192 keys, 4 groups
 // of 3 heads, one core, 549 ms at 64 rows and 483 at 256 (benchmarks/results/attention_micro_2026-12-06_0156.md,
 // _0203.md). A tile is as tall as that while the step still gives every thread two tasks (`tile_rows`). Not with
 // logits: a task writes a row of logits per query vector at every key tile, and 12 heads x 227 rows of such streams
 // made the token oracle's chunk slower than 64 rows do (789 against 706 ms, _0202_tall_logit_tiles.md, _0203.md).
 constexpr int64_t ORACLE_TILE_ROWS = 256, ORACLE_MIN_TILE_ROWS = 64;
+
+// Keys per tile: twice the kernels' default, which halves the per-tile work of each query vector (its tile max,
+// the exp sum's reduction, the running max's update, its accumulators' loads and stores) against the same FMAs.
+constexpr int64_t OKEYS = 64;
+// Query vectors scored, weighed and accumulated together per tile of keys: their scores are 4 KiB of scratch (a
+// 256-row task's scores were 196 KiB), and a chunk whose rows all end before the tile is skipped whole.
+constexpr int64_t QCHUNK = 16;
 
 inline int64_t tile_rows(int64_t rows, int64_t groups, bool logits) {
   if (logits) return ORACLE_MIN_TILE_ROWS;
@@ -138,22 +145,22 @@ void run_task(const Problem& pb, const Task& tk, Partials& parts, std::vector<fl
   const int64_t per_group = pb.heads / pb.groups, nq = tk.rows * per_group;
   const int64_t nb = (tk.keys + pb.block - 1) / pb.block;
   const bool direct = nq <= DIRECT_MAX;
-  // scratch: queries, transposed keys, scores, accumulators, running max / sum, block maxima, limits
-  const size_t need = nq * DIM + DIM * KEYS + nq * KEYS + nq * DIM + 2 * nq + nq * nb + nq;
+  // scratch: queries, transposed keys, a chunk's scores, accumulators, running max / sum, block maxima, limits
+  const size_t need = nq * DIM + DIM * OKEYS + QCHUNK * OKEYS + nq * DIM + 2 * nq + nq * nb + nq;
   if (buf.size() < need) buf.resize(need);
   float* qs = buf.data();
   float* kt = qs + nq * DIM;
-  float* s = kt + DIM * KEYS;
-  float* acc = s + nq * KEYS;
+  float* s = kt + DIM * OKEYS;
+  float* acc = s + QCHUNK * OKEYS;
   float* m = acc + nq * DIM;
   float* l = m + nq;
   float* u = l + nq;
   float* lim = u + nq * nb;  // each query vector's position, as a float index bound
-  const float* kp[KEYS];
-  const float* vp[KEYS];
-  int64_t run_at[KEYS + 1], run_b[KEYS];
-  std::vector<float*> acc_of(nq);  // the query vectors a tile of keys concerns: accumulators and weights
-  std::vector<const float*> w_of(nq);
+  const float* kp[OKEYS];
+  const float* vp[OKEYS];
+  int64_t run_at[OKEYS + 1], run_b[OKEYS];
+  float* acc_of[QCHUNK];  // the query vectors of a chunk that a tile of keys concerns: accumulators and weights
+  const float* w_of[QCHUNK];
   for (int64_t r = 0; r < tk.rows; ++r) {
     const int64_t row = tk.row(r);
     for (int64_t p = 0; p < per_group; ++p) {
@@ -169,8 +176,8 @@ void run_task(const Problem& pb, const Task& tk, Partials& parts, std::vector<fl
   std::fill(u, u + nq * nb, NEG_INF);
   const int32_t* pages = pb.bt + pb.reqs[tk.row(0)] * pb.s_bt;  // a shared prefix: the same pages for all rows
   const float* base = pb.kv + tk.group * pb.s_group;
-  for (int64_t k0 = tk.begin; k0 < tk.keys; k0 += KEYS) {
-    const int64_t count = std::min(KEYS, tk.keys - k0);
+  for (int64_t k0 = tk.begin; k0 < tk.keys; k0 += OKEYS) {
+    const int64_t count = std::min(OKEYS, tk.keys - k0);
     // Keys, values and blocks of the tile, with two divisions per tile instead of two per key (and one per key
     // and query vector for the blocks).
     int64_t nruns = 0;  // the tile's runs of keys in one block: keys [run_at[x], run_at[x + 1]) are in block run_b[x]
@@ -183,52 +190,58 @@ void run_task(const Problem& pb, const Task& tk, Partials& parts, std::vector<fl
       if (++boff == pb.block) boff = 0, ++b;
     }
     run_at[nruns] = count;
-    if (direct) {
-      score_direct<DIM>(qs, nq, kp, count, s);
-    } else {
-      for (int64_t j = 0; j < KEYS; ++j) {
+    if (!direct) {
+      for (int64_t j = 0; j < OKEYS; ++j) {
         if (j < count) {
-          for (int d = 0; d < DIM; ++d) kt[d * KEYS + j] = kp[j][d];
+          for (int d = 0; d < DIM; ++d) kt[d * OKEYS + j] = kp[j][d];
         } else {
-          for (int d = 0; d < DIM; ++d) kt[d * KEYS + j] = 0.f;
+          for (int d = 0; d < DIM; ++d) kt[d * OKEYS + j] = 0.f;
         }
       }
-      score_tiled<DIM>(qs, nq, kt, s);
     }
-    int64_t na = 0;
-    for (int64_t i = 0; i < nq; ++i) {
-      const int64_t visible = std::min<int64_t>(count, static_cast<int64_t>(lim[i]) - k0 + 1);
-      if (visible <= 0) continue;  // every key of the tile is past this row
-      float* si = s + i * KEYS;
-      float* ui = u + i * nb;
-      // Each block's running maximum, a run at a time in a register: one store per run, not a dependent
-      // load and store per key (that chain took a third of a prefill tile).
-      float mt = m[i];
-      if (visible == KEYS && nruns == 1) {  // most tiles: every key visible, one block
-        const float mb = max_tile(si);
-        ui[run_b[0]] = std::max(ui[run_b[0]], mb);
-        mt = std::max(mt, mb);
+    for (int64_t c0 = 0; c0 < nq; c0 += QCHUNK) {
+      const int64_t c1 = std::min(nq, c0 + QCHUNK);
+      if (*std::max_element(lim + c0, lim + c1) < static_cast<float>(k0)) continue;  // every key past every row
+      if (direct) {
+        score_direct<DIM, OKEYS>(qs + c0 * DIM, c1 - c0, kp, count, s);
       } else {
-        for (int64_t j = visible; j < KEYS; ++j) si[j] = NEG_INF;
-        for (int64_t x = 0; x < nruns && run_at[x] < visible; ++x) {
-          float mb = NEG_INF;
-          const int64_t stop = run_at[x + 1];
-#pragma omp simd reduction(max : mb)
-          for (int64_t j = run_at[x]; j < stop; ++j) mb = si[j] > mb ? si[j] : mb;
-          ui[run_b[x]] = std::max(ui[run_b[x]], mb);
+        score_tiled<DIM, OKEYS>(qs + c0 * DIM, c1 - c0, kt, s);
+      }
+      int64_t na = 0;
+      for (int64_t i = c0; i < c1; ++i) {
+        const int64_t visible = std::min<int64_t>(count, static_cast<int64_t>(lim[i]) - k0 + 1);
+        if (visible <= 0) continue;  // every key of the tile is past this row
+        float* si = s + (i - c0) * OKEYS;
+        float* ui = u + i * nb;
+        // Each block's running maximum, a run at a time in a register: one store per run, not a dependent
+        // load and store per key (that chain took a third of a prefill tile).
+        float mt = m[i];
+        if (visible == OKEYS && nruns == 1) {  // most tiles: every key visible, one block
+          const float mb = max_tile<OKEYS>(si);
+          ui[run_b[0]] = std::max(ui[run_b[0]], mb);
           mt = std::max(mt, mb);
+        } else {
+          for (int64_t j = visible; j < OKEYS; ++j) si[j] = NEG_INF;
+          for (int64_t x = 0; x < nruns && run_at[x] < visible; ++x) {
+            float mb = NEG_INF;
+            const int64_t stop = run_at[x + 1];
+#pragma omp simd reduction(max : mb)
+            for (int64_t j = run_at[x]; j < stop; ++j) mb = si[j] > mb ? si[j] : mb;
+            ui[run_b[x]] = std::max(ui[run_b[x]], mb);
+            mt = std::max(mt, mb);
+          }
         }
+        if (pb.logits != nullptr) {  // the token oracle ranks keys by their exact logits
+          const int64_t r = i / per_group, h = tk.group * per_group + i % per_group;
+          std::copy(si, si + visible, pb.logits + (tk.row(r) * pb.heads + h) * pb.max_len + k0);
+        }
+        // the whole tile at once; exactly 0 past the row's position
+        online_rescale<DIM>(mt, exp_tile<OKEYS>(si, mt), m[i], l[i], acc + i * DIM);
+        acc_of[na] = acc + i * DIM;
+        w_of[na++] = si;
       }
-      if (pb.logits != nullptr) {  // the token oracle ranks keys by their exact logits
-        const int64_t r = i / per_group, h = tk.group * per_group + i % per_group;
-        std::copy(si, si + visible, pb.logits + (tk.row(r) * pb.heads + h) * pb.max_len + k0);
-      }
-      // the whole tile at once; exactly 0 past the row's position
-      online_rescale<DIM>(mt, exp_tile(si, mt), m[i], l[i], acc + i * DIM);
-      acc_of[na] = acc + i * DIM;
-      w_of[na++] = si;
+      accumulate_many<DIM>(acc_of, w_of, na, vp, count);  // weights are 0 past each row's position
     }
-    accumulate_many<DIM>(acc_of.data(), w_of.data(), na, vp, count);  // weights are 0 past each row's position
   }
   if (tk.slot0 >= 0) {  // split rows: the state goes to their slots, merged in `finish_split`
     for (int64_t r = 0; r < tk.rows; ++r) {
