@@ -174,8 +174,7 @@ void sparse_tile(const SparseProblem& pb, const SparseTask& tk, TileScratch& sc)
     if (na <= DIRECT_MAX) {
       score_direct<DIM>(qa, na, kp, count, s);
     } else {
-      for (int64_t j = 0; j < KEYS; ++j)
-        for (int d = 0; d < DIM; ++d) kt[d * KEYS + j] = j < count ? kp[j][d] : 0.f;
+      transpose_keys<DIM>(kp, count, kt);
       score_tiled<DIM>(qa, na, kt, s);
     }
     int64_t nw = 0;  // the query vectors with a key in this tile: accumulators and weights

@@ -220,6 +220,60 @@ inline float exp_tile(float* s, float mt) {
 }
 #endif
 
+#ifdef __AVX512F__
+// One butterfly stage of a 16 x 16 transpose: rows x (index i, bit B of i clear) and y (i + B) swap bit B of the row
+// index with bit B of the lane. After the four stages (B = 8, 4, 2, 1) row i holds what was column i.
+template <int B>
+inline void butterfly(v16& x, v16& y) {
+  v16 lo, hi;
+  if constexpr (B == 8) {
+    lo = __builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    hi = __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  } else if constexpr (B == 4) {
+    lo = __builtin_shufflevector(x, y, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+    hi = __builtin_shufflevector(x, y, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  } else if constexpr (B == 2) {
+    lo = __builtin_shufflevector(x, y, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+    hi = __builtin_shufflevector(x, y, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  } else {
+    lo = __builtin_shufflevector(x, y, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
+    hi = __builtin_shufflevector(x, y, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+  }
+  x = lo, y = hi;
+}
+
+template <int B>
+inline void butterfly_stage(v16* r) {
+  for (int i = 0; i < 16; ++i)
+    if ((i & B) == 0) butterfly<B>(r[i], r[i + B]);
+}
+#endif
+
+// kt [DIM, KT] = the tile's keys transposed: kt[d * KT + j] = kp[j][d] for j < count, 0 past it. Element by element
+// this was two memory operations per float, which outweighed the scoring for the few query vectors of a decode row
+// on a shared prefix; with AVX-512, 16 x 16 blocks go through registers (16 loads, 64 shuffles, 16 stores).
+template <int DIM, int64_t KT = KEYS>
+inline void transpose_keys(const float* const* kp, int64_t count, float* kt) {
+#ifdef __AVX512F__
+  if constexpr (DIM % 16 == 0 && KT % 16 == 0) {
+    for (int64_t j0 = 0; j0 < KT; j0 += 16) {
+      for (int d0 = 0; d0 < DIM; d0 += 16) {
+        v16 r[16];
+        for (int j = 0; j < 16; ++j) r[j] = j0 + j < count ? loadv<v16>(kp[j0 + j] + d0) : splatv<v16>(0.f);
+        butterfly_stage<8>(r);
+        butterfly_stage<4>(r);
+        butterfly_stage<2>(r);
+        butterfly_stage<1>(r);
+        for (int d = 0; d < 16; ++d) storev<v16>(kt + (d0 + d) * KT + j0, r[d]);
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < KT; ++j)
+    for (int d = 0; d < DIM; ++d) kt[d * KT + j] = j < count ? kp[j][d] : 0.f;
+}
+
 // `score_direct_v` in 16-float vectors where the CPU has AVX-512 (half the FMAs per key), else 8-float ones.
 template <int DIM, int64_t KT = KEYS>
 void score_direct(const float* qs, int64_t nq, const float* const* kp, int64_t count, float* s) {

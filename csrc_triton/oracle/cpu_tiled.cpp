@@ -190,15 +190,7 @@ void run_task(const Problem& pb, const Task& tk, Partials& parts, std::vector<fl
       if (++boff == pb.block) boff = 0, ++b;
     }
     run_at[nruns] = count;
-    if (!direct) {
-      for (int64_t j = 0; j < OKEYS; ++j) {
-        if (j < count) {
-          for (int d = 0; d < DIM; ++d) kt[d * OKEYS + j] = kp[j][d];
-        } else {
-          for (int d = 0; d < DIM; ++d) kt[d * OKEYS + j] = 0.f;
-        }
-      }
-    }
+    if (!direct) transpose_keys<DIM, OKEYS>(kp, count, kt);
     for (int64_t c0 = 0; c0 < nq; c0 += QCHUNK) {
       const int64_t c1 = std::min(nq, c0 + QCHUNK);
       if (*std::max_element(lim + c0, lim + c1) < static_cast<float>(k0)) continue;  // every key past every row
