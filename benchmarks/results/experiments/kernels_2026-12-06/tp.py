@@ -1,0 +1,7 @@
+import sys, torch
+sys.path.insert(0, "benchmarks"); sys.path.insert(0, ".")  # run from the repository root
+torch.set_num_threads(int(sys.argv[2]) if len(sys.argv) > 2 else 2)
+import attention_micro as am
+r = am.hysparse2_prefill(int(sys.argv[1]), 2048, 3)
+for k, v in r.items():
+    if "previous" not in k: print(f"{k}: {v:.1f}")
