@@ -1,4 +1,6 @@
-import sys, time, torch, statistics
+# Recorded experiment (benchmarks/results/experiments/kernels_2026-12-06.md); run from the repository root.
+# ruff: noqa: I001, E401, E501
+import sys, torch
 sys.path.insert(0, "benchmarks"); sys.path.insert(0, ".")  # run from the repository root
 torch.set_num_threads(int(sys.argv[2]) if len(sys.argv) > 2 else 1)
 import attention_micro as am
