@@ -170,7 +170,7 @@ inline v16 exp16(v16 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  // -inf (and anything below -87.3, NaN too) -> exactly 0, as `exp8` (the polynomial gives NaN there)
+  // anything below -87.3 (-inf, for which the polynomial gives NaN) and NaN -> exactly 0, as `exp8`
   const __mmask16 keep = _mm512_cmp_ps_mask(in, _mm512_set1_ps(-87.3f), _CMP_GE_OQ);
   const __m512 out = _mm512_maskz_scalef_ps(keep, p, n);
   return reinterpret_cast<const v16&>(out);

@@ -10,7 +10,8 @@
 // keeps the max over its heads, and the top-k runs over those block scores.
 //
 // Dot products run over keys with vector FMAs: a tile's keys are transposed once into a [D, OKEYS]
-// scratch (L1-resident) and every query vector of the task reuses it, so one FMA scores 8 keys.
+// scratch (L1-resident) and every query vector of the task reuses it, so one FMA scores 16 keys (8 without
+// AVX-512).
 // Decode tiles have few query vectors, which would not repay the transpose: they dot the keys
 // directly (FMAs over the head dim, eight keys' sums reduced together: `score_direct`).
 //
@@ -40,11 +41,12 @@ namespace {
 
 // Rows per task: each tile of keys is loaded and transposed once for all of a task's query vectors, so a taller
 // task spends less on that per query vector (16 -> 64 rows, one core: 512 prefill rows on 2048 keys 45 -> 39 ms,
-// 1024 rows on 8192 keys 403 -> 335 ms), most of all with few heads per KV group: 2,048 prefill rows on 8,192 keys, 4 groups
-// of 3 heads, one core, 549 ms at 64 rows and 483 at 256 (benchmarks/results/attention_micro_2026-12-06_0156.md,
-// _0203.md). A tile is as tall as that while the step still gives every thread two tasks (`tile_rows`). Not with
-// logits: a task writes a row of logits per query vector at every key tile, and 12 heads x 227 rows of such streams
-// made the token oracle's chunk slower than 64 rows do (789 against 706 ms, _0202_tall_logit_tiles.md, _0203.md).
+// 1024 rows on 8192 keys 403 -> 335 ms), most of all with few heads per KV group: 2,048 prefill rows on 8,192
+// keys, 4 groups of 3 heads, one core, 549 ms at 64 rows and 483 at 256
+// (benchmarks/results/attention_micro_2026-12-06_0156.md, _0203.md). A tile is as tall as that while the step
+// still gives every thread two tasks (`tile_rows`). Not with logits: a task writes a row of logits per query vector
+// at every key tile, and 12 heads x 227 rows of such streams made the token oracle's chunk slower than 64 rows do
+// (789 against 706 ms, _0202_tall_logit_tiles.md, _0203.md).
 constexpr int64_t ORACLE_TILE_ROWS = 256, ORACLE_MIN_TILE_ROWS = 64;
 
 // Keys per tile: twice the kernels' default, which halves the per-tile work of each query vector (its tile max,
