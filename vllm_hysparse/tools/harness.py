@@ -24,6 +24,7 @@ import json
 import math
 import os
 import platform
+import random
 import signal
 import socket
 import subprocess
@@ -41,11 +42,25 @@ VLLM = Path(sys.executable).parent / "vllm"  # the `vllm` command of this interp
 
 # ---------------------------------------------------------------- servers
 
+# Ports handed to servers come from below Linux's ephemeral range (32768-60999 by default), where the kernel never
+# picks the local port of an outgoing connection: a port the OS handed out as free could be taken by another test
+# process's client socket before `vllm serve` bound it (CI, 2026-12-06: "Address already in use").
+PORT_RANGE = (20000, 32000)
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on at the moment of the call."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port that nothing is bound to, on any address, at the moment of the call (`vllm serve` binds 0.0.0.0),
+    drawn at random from `PORT_RANGE`."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(*PORT_RANGE)
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free TCP port in {PORT_RANGE[0]}-{PORT_RANGE[1]} after 200 tries")
 
 
 def server_env_settings(kv_space_gib: int, extra: dict[str, str | None] | None = None) -> dict[str, str | None]:
