@@ -59,6 +59,11 @@ def _module_name(name: str) -> str:
     return f"hysparse_{name}_{_build_tag(_SOURCES[name])}"
 
 
+def enabled() -> bool:
+    """False where `VLLM_HYSPARSE_CPU_EXT` switches the C++ kernels off."""
+    return os.environ.get(CPU_EXT_ENV, "1") not in ("0", "false", "False")
+
+
 def _is_built(name: str) -> bool:
     """Whether torch's extension cache holds a build of `name` at least as new as its sources."""
     from torch.utils.cpp_extension import _get_build_directory
@@ -78,7 +83,7 @@ def preload(names=NAMES) -> None:
         with _LOCK:
             if name in _LOADED:
                 continue
-            if os.environ.get(CPU_EXT_ENV, "1") not in ("0", "false", "False") and not _is_built(name):
+            if enabled() and not _is_built(name):
                 logger.info("HySparse: building the C++ CPU kernel %s (once per machine, checkout and "
                             "environment)", name)
                 t0 = time.perf_counter()
@@ -97,7 +102,7 @@ def load(name: str = "oracle_decode"):
 
 
 def _build(name: str):
-    if os.environ.get(CPU_EXT_ENV, "1") in ("0", "false", "False"):
+    if not enabled():
         return None
     try:
         import torch

@@ -410,7 +410,8 @@ def oracle_attention_rows(q, k_cache, v_cache, block_table, plan: BatchPlan, out
 
     def write(rows, o, ids):
         out[rows] = o.permute(0, 2, 1, 3, 4).reshape(-1, num_heads, head_dim_v).to(out.dtype)
-        indices[rows] = ids.reshape(-1, *indices.shape[1:]).to(indices.dtype)
+        if indices.shape[-1]:  # an empty selection (plain attention, `csrc_triton/dense.py`) writes no ids
+            indices[rows] = ids.reshape(-1, *indices.shape[1:]).to(indices.dtype)
 
     if plan.num_decodes:
         num_keys = plan.max_decode_len

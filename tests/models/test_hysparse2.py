@@ -168,6 +168,23 @@ class TestEarlyExitEngine:
         assert windowed == {f"model.layers.{i}.self_attn.attn" for i, t in enumerate(cfg.layer_types)
                             if t == "sliding_attention"}
 
+    def test_self_full_layers_run_our_tiled_dense_role(self, llm, reference):
+        """On the CPU in float32 the self-decoder's full layers run our `dense` role on the C++ / PyTorch path (a
+        prompt shared by several decode rows is read once, `csrc_triton/dense.py`); sliding layers stay on vLLM's."""
+        cfg = reference.config
+        backends = llm.collective_rpc(attention_backends)[0]
+        for i in range(cfg.num_self_decoder_layers):
+            want = ("HYSPARSE", "dense", "torch") if cfg.layer_types[i] == "full_attention" else ("CPU_ATTN", None, None)
+            assert backends[f"model.layers.{i}.self_attn.attn"] == want, i
+
+
+def attention_backends(worker) -> dict[str, tuple]:
+    """Runs in the worker: (backend name, HySparse role, kernel path) of every attention layer."""
+    ctx = worker.model_runner.compilation_config.static_forward_context
+    return {name: (layer.attn_backend.get_name(), getattr(layer.impl, "role", None),
+                   getattr(layer.impl, "kernels", None))
+            for name, layer in ctx.items() if getattr(layer, "attn_backend", None) is not None}
+
 
 @pytest.fixture
 def no_exit_llm(ckpt, monkeypatch):

@@ -13,7 +13,8 @@ branch is a plain windowed vLLM `Attention` with sinks and needs nothing from us
 With `v_head_dim != head_dim` (SPEC §2.6) the layers vLLM would otherwise
 serve run here too, because vLLM 0.32's CPU backend cannot store V at its own
 width and ours can (`AttentionSpec.head_size_v`): role `dense` is plain causal
-attention (HySparse's last full layer, HySparse2's self full layers), role
+attention (HySparse's last full layer, HySparse2's self full layers; also on
+the CPU in float32, where our tiled kernel reads a shared prompt once), role
 `window` sink attention over the `window` most recent keys (the SWA branch,
 HySparse2's sliding layers), the token-sparse kernels over positions built
 from the step's row positions.
@@ -77,6 +78,19 @@ def check_kv_cache_dtype(dtype: str) -> None:
     if is_quantized_kv_cache(dtype) and dtype not in FP8_KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype: HySparse models support 'auto' or {list(FP8_KV_CACHE_DTYPES)} "
                          f"(FP8 e4m3), not {dtype!r}")
+
+
+def serves_plain_attention(cache_dtype: str) -> bool:
+    """Whether a full layer with no oracle runs on our `dense` role rather than on vLLM's CPU attention.
+
+    Yes where our tiled C++ kernel serves it: on the CPU, on the `torch` path, C++ kernels not switched off,
+    a float32 model (vLLM builds a model under its dtype: vllm/model_executor/model_loader/base_loader.py,
+    `set_default_torch_dtype`) and an unquantised cache. Decode rows of requests on one prompt then read its
+    pages once for all of them (vLLM's kernel reads them once per request); elsewhere vLLM's kernel is as fast
+    or faster than our PyTorch fallback, so it keeps the layer.
+    """
+    return (current_platform.is_cpu() and kernel_path(torch.device("cpu")) == "torch" and cpu_ext.enabled()
+            and torch.get_default_dtype() == torch.float32 and not is_quantized_kv_cache(cache_dtype))
 
 
 def kernel_path(device: torch.device) -> str:
@@ -241,12 +255,12 @@ ROLE_TABLE: dict[str, Role | None] = {
                  "torch": "csrc_triton.token_sparse.batched:token_sparse_attention_batched"},
         kwargs=lambda impl: dict(sinks=impl.sinks),
         reads_index=True),
-    # Plain causal attention (no sink): the token oracle's kernels with an empty top-k and a one-token
-    # window, whose selection is dropped. Only used when v_head_dim != head_dim (see the module docstring).
+    # Plain causal attention (no sink, no selection): on the CPU the tiled oracle kernel (a shared prompt walked
+    # once for all its decode rows), in Triton the token oracle's kernel. Used where `serves_plain_attention` says.
     "dense": Role(
-        kernels={"triton": "csrc_triton.token_oracle.kernel:token_oracle_attention",
-                 "torch": "csrc_triton.token_oracle.batched:token_oracle_attention_batched"},
-        kwargs=lambda impl: dict(topk_tokens=0, recent_window=1, score_head_reduce="max"),
+        kernels={"triton": "csrc_triton.dense:dense_attention",
+                 "torch": "csrc_triton.dense:dense_attention_batched"},
+        kwargs=lambda impl: {},
         bounded_by_seq_len=True),
     # Sliding-window sink attention: the token-sparse kernels over each row's window. Only used when
     # v_head_dim != head_dim (see the module docstring).

@@ -89,7 +89,7 @@ class HySparseFullAttention(nn.Module):
                                    rope_parameters=config.rope_parameters)
         # The last full layer may have no sparse followers: then it is plain attention.
         self.oracle = index_buffer is not None
-        oracle_args = plain_full_attention(config) if not self.oracle else dict(
+        oracle_args = plain_full_attention(config, cache_config) if not self.oracle else dict(
             attn_backend=HySparseAttentionBackend, hysparse_role="oracle", index_buffer=index_buffer,
             selection=BlockSelection(config.sparse_block_size, config.sparse_topk_blocks), **separate_v(config))
         # An oracle runs its whole KV group's query heads (see `HeadSplit.group_query`).

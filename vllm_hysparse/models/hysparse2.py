@@ -151,7 +151,7 @@ class HySparse2SelfAttention(nn.Module):
         self.qkv_proj, self.o_proj = qkv_and_out(config, prefix, quant_config)
         self.q_norm, self.k_norm = maybe_head_norm(config), maybe_head_norm(config)
         self.rotary_emb = _rope(config, sliding)
-        extra = plain_full_attention(config)
+        extra = plain_full_attention(config, cache_config)
         if sliding:
             self.gate_proj = ColumnParallelLinear(config.hidden_size, gate_width(config), bias=False,
                                                   quant_config=quant_config, prefix=f"{prefix}.gate_proj")

@@ -117,18 +117,21 @@ def separate_v(config: HySparseBaseConfig) -> dict:
     return {} if config.v_head_dim == config.head_dim else {"head_size_v": config.v_head_dim}
 
 
-def plain_full_attention(config: HySparseBaseConfig) -> dict:
-    """`Attention` keywords of a full-length causal layer with no oracle (no backend of its own by default).
+def plain_full_attention(config: HySparseBaseConfig, cache_config) -> dict:
+    """`Attention` keywords of a full-length causal layer with no oracle.
 
-    With `v_head_dim != head_dim` it runs on our backend's `dense` role, which
-    stores V at its own width; vLLM's CPU backend cannot, and padding V there
-    would cost full-length bytes. Empty otherwise: vLLM picks the backend as before.
+    It runs on our backend's `dense` role in two cases: with `v_head_dim != head_dim`,
+    because our cache stores V at its own width (vLLM's CPU backend cannot, and
+    padding V there would cost full-length bytes); and on the CPU where our tiled
+    kernel serves it (`serves_plain_attention`: a prompt shared by several decode
+    rows is read once for all of them). Empty otherwise: vLLM picks the backend.
     """
-    if config.v_head_dim == config.head_dim:
-        return {}
-    from vllm_hysparse.attention.backend import HySparseAttentionBackend
+    from vllm_hysparse.attention.backend import HySparseAttentionBackend, serves_plain_attention
 
-    return dict(attn_backend=HySparseAttentionBackend, hysparse_role="dense", head_size_v=config.v_head_dim)
+    cache_dtype = cache_config.cache_dtype if cache_config is not None else "auto"
+    if config.v_head_dim == config.head_dim and not serves_plain_attention(cache_dtype):
+        return {}
+    return dict(attn_backend=HySparseAttentionBackend, hysparse_role="dense", **separate_v(config))
 
 
 def window_attention(config: HySparseBaseConfig, sinks: nn.Parameter | None) -> dict:
