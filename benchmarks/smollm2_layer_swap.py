@@ -2,6 +2,7 @@
 """Where a converted HySparse student still differs from its teacher: each sparse layer made exact in turn.
 
     python benchmarks/smollm2_layer_swap.py [--student checkpoints/smollm2-hysparse-recovered] [--tokens 2048]
+    python benchmarks/smollm2_layer_swap.py --cumulative 18,17,23 [--tokens 4096]
 
 On one window of the held-out text (the Python reference documentation), the student runs with every switch on,
 then once per sparse layer with that layer's attention replaced by the teacher's own (its q/k/v/o projections over
@@ -9,7 +10,8 @@ the layer's input: the layer as if it had stayed a full layer). The drop in KL(t
 layer's conversion costs, with every other layer as it is. Two more rows: every sparse layer exact (the check:
 KL 0), and every sparse layer on its window branch alone (gates forced to 0 / 1), on the first `swa_window`
 positions only, where that branch alone sees every key: how far the trained SWA projections have moved from
-the teacher's K/V.
+the teacher's K/V. With `--cumulative`, the given layers are made exact together instead, one more at a time in
+the given order: what a plan with that many more full layers could reach with the rest of the student as trained.
 
 Writes `benchmarks/results/smollm2/layer_swap_<date>_<HHMM>.{md,json}` and prints the table.
 """
@@ -66,6 +68,8 @@ def main(argv=None) -> int:
     parser.add_argument("--student", type=Path, default=REPO / "checkpoints" / "smollm2-hysparse-recovered")
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--cumulative", type=lambda v: [int(x) for x in v.split(",")], metavar="L1,L2,...",
+                        help="make these sparse layers exact cumulatively, in this order, instead of one at a time")
     args = parser.parse_args(argv)
     torch.set_grad_enabled(False)
     t0 = time.perf_counter()
@@ -93,6 +97,13 @@ def main(argv=None) -> int:
         return agreement(t_logits[:x.shape[1]], s_logits)
 
     rows = {"student (every switch on)": run(), "every sparse layer exact": run(sparse)}
+    if args.cumulative:
+        unknown = sorted(set(args.cumulative) - set(sparse))
+        if unknown:
+            raise SystemExit(f"error: --cumulative: layers {unknown} are not sparse layers of the student")
+        for k in range(1, len(args.cumulative) + 1):
+            rows[f"layers {', '.join(map(str, args.cumulative[:k]))} exact"] = run(args.cumulative[:k])
+        return report(args, argv, rows, t0)
     for i in sparse:
         rows[f"layer {i} exact"] = run([i])
     window = student.config.swa_window
@@ -109,7 +120,11 @@ def main(argv=None) -> int:
         rows[f"window branch alone, first {window} positions"] = run(positions=window)
     finally:
         modeling_hysparse.gate_logits = saved
+    return report(args, argv, rows, t0)
 
+
+def report(args, argv, rows: dict, t0: float) -> int:
+    """Print the table and write it as Markdown and JSON."""
     stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H%M")
     command = "python benchmarks/smollm2_layer_swap.py " + " ".join(sys.argv[1:] if argv is None else argv)
     base = rows["student (every switch on)"]["kl"]
