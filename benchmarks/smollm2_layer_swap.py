@@ -102,7 +102,8 @@ def main(argv=None) -> int:
         if unknown:
             raise SystemExit(f"error: --cumulative: layers {unknown} are not sparse layers of the student")
         for k in range(1, len(args.cumulative) + 1):
-            rows[f"layers {', '.join(map(str, args.cumulative[:k]))} exact"] = run(args.cumulative[:k])
+            layers = args.cumulative[:k]
+            rows[f"layer{'s' if k > 1 else ''} {', '.join(map(str, layers))} exact"] = run(layers)
         return report(args, argv, rows, t0)
     for i in sparse:
         rows[f"layer {i} exact"] = run([i])

@@ -174,7 +174,8 @@ class TestEarlyExitEngine:
         cfg = reference.config
         backends = llm.collective_rpc(attention_backends)[0]
         for i in range(cfg.num_self_decoder_layers):
-            want = ("HYSPARSE", "dense", "torch") if cfg.layer_types[i] == "full_attention" else ("CPU_ATTN", None, None)
+            full = cfg.layer_types[i] == "full_attention"
+            want = ("HYSPARSE", "dense", "torch") if full else ("CPU_ATTN", None, None)
             assert backends[f"model.layers.{i}.self_attn.attn"] == want, i
 
 
