@@ -78,9 +78,12 @@ def main(argv=None) -> int:
     student = AutoModelForCausalLM.from_pretrained(args.student, dtype=torch.float32).eval()
     if student.config.model_type != "hysparse":
         raise SystemExit(f"error: --student must be a HySparse checkpoint (got {student.config.model_type})")
+    sparse = [i for i, t in enumerate(student.config.layer_types) if t == "sparse_attention"]
+    unknown = sorted(set(args.cumulative or ()) - set(sparse))
+    if unknown:
+        raise SystemExit(f"error: --cumulative: layers {unknown} are not sparse layers of the student")
     ids = token_windows(tokenizer, heldout_text(), args.tokens, 1)[0]
     t_logits = teacher(ids).logits[0]
-    sparse = [i for i, t in enumerate(student.config.layer_types) if t == "sparse_attention"]
     teacher_sd = teacher.state_dict()
 
     def run(swapped=(), positions=None) -> dict:
@@ -98,9 +101,6 @@ def main(argv=None) -> int:
 
     rows = {"student (every switch on)": run(), "every sparse layer exact": run(sparse)}
     if args.cumulative:
-        unknown = sorted(set(args.cumulative) - set(sparse))
-        if unknown:
-            raise SystemExit(f"error: --cumulative: layers {unknown} are not sparse layers of the student")
         for k in range(1, len(args.cumulative) + 1):
             layers = args.cumulative[:k]
             rows[f"layer{'s' if k > 1 else ''} {', '.join(map(str, layers))} exact"] = run(layers)

@@ -86,8 +86,8 @@ def serves_plain_attention(cache_dtype: str) -> bool:
     Yes where our tiled C++ kernel serves it: on the CPU, on the `torch` path, C++ kernels not switched off,
     a float32 model (vLLM builds a model under its dtype: vllm/model_executor/model_loader/base_loader.py,
     `set_default_torch_dtype`) and an unquantised cache. Decode rows of requests on one prompt then read its
-    pages once for all of them (vLLM's kernel reads them once per request); elsewhere vLLM's kernel is as fast
-    or faster than our PyTorch fallback, so it keeps the layer.
+    pages once for all of them (vLLM's kernel reads them once per request). Elsewhere ours would be the PyTorch
+    fallback, so vLLM's kernel keeps the layer.
     """
     return (current_platform.is_cpu() and kernel_path(torch.device("cpu")) == "torch" and cpu_ext.enabled()
             and torch.get_default_dtype() == torch.float32 and not is_quantized_kv_cache(cache_dtype))
