@@ -20,7 +20,10 @@
 // all their query vectors (the transposed path), and each row walks its own tail alone. The two partial
 // states (running max and sum, accumulators, block maxima) are merged by log-sum-exp before the outputs and
 // the top-k, so the result is the one pass over each row's own pages. Eight decode rows on an 8k shared
-// prompt read the prompt's K/V once instead of eight times.
+// prompt read the prompt's K/V once instead of eight times. With few KV groups that walk is one task, so one
+// core would run it while the others wait (HySparse2, one group: 9.5 ms for eight rows on a 32k prompt, with one
+// thread or two): the prefix is then cut into parts along its keys, one task each, merged the same way; so is a
+// lone decode row of a long context when the step has too few tasks for the threads.
 
 // ATen and op registration only, not torch/extension.h: see cpu_ext.py.
 #include <ATen/Parallel.h>
@@ -55,6 +58,9 @@ constexpr int64_t OKEYS = 64;
 // Query vectors scored, weighed and accumulated together per tile of keys: their scores are 4 KiB of scratch (a
 // 256-row task's scores were 196 KiB), and a chunk whose rows all end before the tile is skipped whole.
 constexpr int64_t QCHUNK = 16;
+// A shared prefix (or a lone long row) is cut into parts until the step has two tasks per thread, none shorter
+// than this many keys (a part's state is merged once per row, query vector and part), at most MAX_PREFIX_PARTS.
+constexpr int64_t PREFIX_PART_MIN_KEYS = 2048, MAX_PREFIX_PARTS = 16;
 
 inline int64_t tile_rows(int64_t rows, int64_t groups, bool logits) {
   if (logits) return ORACLE_MIN_TILE_ROWS;
@@ -81,19 +87,21 @@ struct Task {
   int64_t row0, rows, group;
   int64_t begin, keys;     // keys [begin, keys): keys is the tile's longest context (its largest position + 1)
   const int64_t* row_ids;  // the rows when not consecutive (a shared prefix): row_ids[r], else row0 + r
-  int64_t slot0, part;     // split rows (see `Partials`): row r's slot is slot0 + r; -1 when not split
+  int64_t slot0, part;     // split rows (see `Partials`): row r's slot is slot0 + r, `part` its key range; slot0
+                           // -1 when not split
   int64_t row(int64_t r) const { return row_ids != nullptr ? row_ids[r] : row0 + r; }
 };
 
-// The partial states of rows whose keys are split (shared prefix, own tail): per row, group and part (0: the
-// prefix, 1: the tail) and per query vector of the group, [m, l, acc[D], u[nb]] at a stride of 2 + D + nb.
+// The partial states of rows whose keys are split (shared prefix, own tail): per row, group and part (the
+// prefix's parts 0 .. parts - 2 in key order, then the tail) and per query vector of the group,
+// [m, l, acc[D], u[nb]] at a stride of 2 + D + nb. A part with no keys for a row keeps the empty state.
 struct Partials {
-  int64_t groups, per_group, nb, stride;
+  int64_t groups, per_group, nb, stride, parts;
   std::vector<float> data;
   std::vector<int64_t> rows;  // the split rows, in slot order
-  void init(int64_t groups_, int64_t per_group_, int64_t dim, int64_t nb_) {
-    groups = groups_, per_group = per_group_, nb = nb_, stride = 2 + dim + nb_;
-    data.resize(rows.size() * groups * 2 * per_group * stride);
+  void init(int64_t groups_, int64_t per_group_, int64_t dim, int64_t nb_, int64_t parts_) {
+    groups = groups_, per_group = per_group_, nb = nb_, stride = 2 + dim + nb_, parts = parts_;
+    data.resize(rows.size() * groups * parts * per_group * stride);
     // the empty state (a tail with no keys merges as nothing): m = -inf, l = 0, acc = 0, u = -inf
     for (size_t x = 0; x < data.size(); x += stride) {
       data[x] = NEG_INF;
@@ -103,7 +111,7 @@ struct Partials {
     }
   }
   float* at(int64_t slot, int64_t g, int64_t part) {
-    return data.data() + ((slot * groups + g) * 2 + part) * per_group * stride;
+    return data.data() + ((slot * groups + g) * parts + part) * per_group * stride;
   }
 };
 
@@ -257,21 +265,24 @@ void run_task(const Problem& pb, const Task& tk, Partials& parts, std::vector<fl
                     u + r * per_group * nb, nb, score.data(), order.data());
 }
 
-// A split row's two parts merged by log-sum-exp (block maxima by max), then its outputs and top-k.
+// A split row's parts merged by log-sum-exp (block maxima by max), then its outputs and top-k.
 template <int DIM>
 void finish_split(const Problem& pb, Partials& parts, int64_t slot, int64_t group) {
   const int64_t per_group = pb.heads / pb.groups, nb = parts.nb;
-  std::vector<float> m(per_group), l(per_group), acc(per_group * DIM), u(per_group * nb), score(nb);
+  std::vector<float> m(per_group), l(per_group, 0.f), acc(per_group * DIM, 0.f), u(per_group * nb, NEG_INF),
+      score(nb);
   std::vector<int32_t> order(nb);
-  const float* a = parts.at(slot, group, 0);
-  const float* b = parts.at(slot, group, 1);
-  for (int64_t p = 0; p < per_group; ++p, a += parts.stride, b += parts.stride) {
-    const float mx = std::max(a[0], b[0]);  // finite: the prefix holds keys
-    const float fa = std::exp(a[0] - mx), fb = std::exp(b[0] - mx);
-    m[p] = mx;
-    l[p] = a[1] * fa + b[1] * fb;
-    for (int d = 0; d < DIM; ++d) acc[p * DIM + d] = a[2 + d] * fa + b[2 + d] * fb;
-    for (int64_t x = 0; x < nb; ++x) u[p * nb + x] = std::max(a[2 + DIM + x], b[2 + DIM + x]);
+  for (int64_t p = 0; p < per_group; ++p) {
+    float mx = NEG_INF;
+    for (int64_t x = 0; x < parts.parts; ++x) mx = std::max(mx, parts.at(slot, group, x)[p * parts.stride]);
+    m[p] = mx;  // finite: the prefix's first part holds keys
+    for (int64_t x = 0; x < parts.parts; ++x) {
+      const float* a = parts.at(slot, group, x) + p * parts.stride;
+      const float f = std::exp(a[0] - mx);  // 0 for an empty part
+      l[p] += a[1] * f;
+      for (int d = 0; d < DIM; ++d) acc[p * DIM + d] += a[2 + d] * f;
+      for (int64_t b = 0; b < nb; ++b) u[p * nb + b] = std::max(u[p * nb + b], a[2 + DIM + b]);
+    }
   }
   finish_row<DIM>(pb, parts.rows[slot], group, m.data(), l.data(), acc.data(), u.data(), nb, score.data(),
                   order.data());
@@ -360,26 +371,52 @@ void oracle_tiled(at::Tensor q, at::Tensor kv, at::Tensor block_table, at::Tenso
   Partials parts;
   parts.rows.reserve(singles.size());
   int64_t nb_split = 0;
-  for (const PrefixCluster& c : prefix_clusters(singles, pb.bt, pb.s_bt, rq, ps, page)) {
-    if (c.rows < 2) {
+  const std::vector<PrefixCluster> clusters = prefix_clusters(singles, pb.bt, pb.s_bt, rq, ps, page);
+  // The keys each cluster walks together: a shared prefix's pages, or a lone row's whole context.
+  std::vector<int64_t> walked(clusters.size());
+  int64_t walks = static_cast<int64_t>(tasks.size());  // long tasks of the step: prefill tiles and these walks
+  for (size_t x = 0; x < clusters.size(); ++x) {
+    const PrefixCluster& c = clusters[x];
+    walked[x] = c.rows < 2 ? ps[singles[c.first]] + 1 : c.pages * page;
+    walks += ((c.rows + tile - 1) / tile) * groups;
+  }
+  // How many parts each walk is cut into: enough for two tasks per thread (a lone decode row of a long context is
+  // one task per KV group as well), none shorter than PREFIX_PART_MIN_KEYS. The tail is the part after the most
+  // any cluster has.
+  const int64_t want = 2 * std::max(1, at::get_num_threads());
+  std::vector<int64_t> cuts(clusters.size(), 1);
+  int64_t tail = 1;
+  for (size_t x = 0; x < clusters.size(); ++x) {
+    cuts[x] = std::clamp<int64_t>((want + walks - 1) / walks, 1,
+                                  std::clamp<int64_t>(walked[x] / PREFIX_PART_MIN_KEYS, 1, MAX_PREFIX_PARTS));
+    tail = std::max(tail, cuts[x]);
+  }
+  for (size_t x = 0; x < clusters.size(); ++x) {
+    const PrefixCluster& c = clusters[x];
+    if (c.rows < 2 && cuts[x] == 1) {
       const int64_t row = singles[c.first];
       for (int64_t g = 0; g < groups; ++g) tasks.push_back({row, 1, g, 0, ps[row] + 1, nullptr, -1, 0});
       continue;
     }
-    const int64_t slot0 = static_cast<int64_t>(parts.rows.size()), slot1 = slot0 + c.rows, keys = c.pages * page;
+    const int64_t slot0 = static_cast<int64_t>(parts.rows.size()), slot1 = slot0 + c.rows, keys = walked[x];
     parts.rows.insert(parts.rows.end(), singles.begin() + c.first, singles.begin() + c.first + c.rows);
-    for (int64_t s0 = slot0; s0 < slot1; s0 += tile) {
-      const int64_t rows = std::min(tile, slot1 - s0);
-      for (int64_t g = 0; g < groups; ++g) tasks.push_back({-1, rows, g, 0, keys, parts.rows.data() + s0, s0, 0});
-    }
+    // parts of whole key tiles, so that no tile is cut
+    const int64_t span = ((keys + cuts[x] - 1) / cuts[x] + OKEYS - 1) / OKEYS * OKEYS;
+    for (int64_t part = 0; part * span < keys; ++part)
+      for (int64_t s0 = slot0; s0 < slot1; s0 += tile) {
+        const int64_t rows = std::min(tile, slot1 - s0);
+        for (int64_t g = 0; g < groups; ++g)
+          tasks.push_back({-1, rows, g, part * span, std::min(keys, (part + 1) * span), parts.rows.data() + s0, s0,
+                           part});
+      }
     for (int64_t s = slot0; s < slot1; ++s) {
       const int64_t row = parts.rows[s];
       nb_split = std::max(nb_split, ps[row] / block + 1);
       if (ps[row] + 1 > keys)
-        for (int64_t g = 0; g < groups; ++g) tasks.push_back({row, 1, g, keys, ps[row] + 1, nullptr, s, 1});
+        for (int64_t g = 0; g < groups; ++g) tasks.push_back({row, 1, g, keys, ps[row] + 1, nullptr, s, tail});
     }
   }
-  parts.init(groups, heads / groups, dim, nb_split);
+  parts.init(groups, heads / groups, dim, nb_split, tail + 1);
   std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) {
     return (a.keys - a.begin) * a.rows > (b.keys - b.begin) * b.rows;
   });

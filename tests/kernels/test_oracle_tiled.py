@@ -95,13 +95,23 @@ SHARED = [
     # pages longer than a block
     (Case([1, 1, 1], [300, 260, 299], num_heads=4, num_kv_heads=2, head_dim=32, block_size=16, topk=4,
           page_size=128), {1: (0, 2), 2: (0, 2)}),
+    # long prefixes, one KV group: the prefix is cut into parts along its keys (PREFIX_PART_MIN_KEYS), 8,192
+    # keys into up to four, 6,016 into two of 3,008 keys, which cuts a block of 128 between them
+    (Case([1, 1, 1, 1], [8300, 8200, 8192, 300], num_heads=8, num_kv_heads=1, head_dim=64, block_size=64, topk=16,
+          page_size=128), {1: (0, 64), 2: (0, 64)}),
+    (Case([1, 1, 1], [6100, 6050, 6016], num_heads=4, num_kv_heads=1, head_dim=64, block_size=128, topk=8,
+          page_size=128), {1: (0, 47), 2: (0, 47)}),
+    # lone decode rows of long contexts, too few tasks for the threads: each row's own keys are cut the same way
+    (Case([1, 1], [9000, 5000], num_heads=8, num_kv_heads=1, head_dim=64, block_size=64, topk=16, page_size=128),
+     {}),
 ]
 
 
 @pytest.mark.parametrize("case, shares", SHARED, ids=[str(c) for c, _ in SHARED])
 def test_tiled_shared_prefix(case, shares):
-    """Rows whose block tables start with the same pages are walked once for the prefix, then per row: the
-    same outputs, scores and selections as the naive twin reading each row's own pages."""
+    """Rows whose block tables start with the same pages are walked once for the prefix (long prefixes, and lone
+    long rows, in parts along their keys), then per row: the same outputs, scores and selections as the naive twin
+    reading each row's own pages."""
     seed = 2000 + [c for c, _ in SHARED].index(case)
     print(f"seed {seed}")
     batch, q = orc.make_inputs(case, torch.float32, seed=seed)
