@@ -12,6 +12,9 @@ KL 0), and every sparse layer on its window branch alone (gates forced to 0 / 1)
 positions only, where that branch alone sees every key: how far the trained SWA projections have moved from
 the teacher's K/V. With `--cumulative`, the given layers are made exact together instead, one more at a time in
 the given order: what a plan with that many more full layers could reach with the rest of the student as trained.
+With `--write-plan PLAN.json` as well, the student's full layers plus the `--cumulative` ones are written as a
+conversion plan (`convert --plan`), with this table and the KV bytes each plan keeps; `recovery carry` then moves
+the trained delta onto the base converted with it (`docs/recovery.md`, "A plan measured on the trained student").
 
 Writes `benchmarks/results/smollm2/layer_swap_<date>_<HHMM>.{md,json}` and prints the table.
 """
@@ -70,7 +73,11 @@ def main(argv=None) -> int:
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--cumulative", type=lambda v: [int(x) for x in v.split(",")], metavar="L1,L2,...",
                         help="make these sparse layers exact cumulatively, in this order, instead of one at a time")
+    parser.add_argument("--write-plan", type=Path, metavar="PLAN.json",
+                        help="with --cumulative: write the plan with those layers full (convert --plan)")
     args = parser.parse_args(argv)
+    if args.write_plan and not args.cumulative:
+        raise SystemExit("error: --write-plan needs --cumulative (the layers to make full)")
     torch.set_grad_enabled(False)
     t0 = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(args.student)
@@ -104,7 +111,10 @@ def main(argv=None) -> int:
         for k in range(1, len(args.cumulative) + 1):
             layers = args.cumulative[:k]
             rows[f"layer{'s' if k > 1 else ''} {', '.join(map(str, layers))} exact"] = run(layers)
-        return report(args, argv, rows, t0)
+        code = report(args, argv, rows, t0)
+        if args.write_plan:
+            write_plan(args, student.config, rows)
+        return code
     for i in sparse:
         rows[f"layer {i} exact"] = run([i])
     window = student.config.swa_window
@@ -146,6 +156,34 @@ def report(args, argv, rows: dict, t0: float) -> int:
     out.with_suffix(".json").write_text(json.dumps({"command": command, "student": str(args.student),
                                                     "tokens": args.tokens, "rows": rows}, indent=2))
     return 0
+
+
+def kv_bytes_per_token(config, full_layers: list[int], tokens: int) -> float:
+    """KV bytes per token at `tokens` tokens (float32): a full layer keeps every token, a sparse layer its window."""
+    per_layer = config.num_key_value_heads * (config.head_dim + config.v_head_dim) * 4
+    sparse = config.num_hidden_layers - len(full_layers)
+    return per_layer * (len(full_layers) + sparse * min(config.swa_window, tokens) / tokens)
+
+
+def write_plan(args, config, rows: dict) -> None:
+    """The conversion plan with the `--cumulative` layers full as well (a `convert --plan` file), and the
+    measurement it was chosen from."""
+    was = [i for i, t in enumerate(config.layer_types) if t == "full_attention"]
+    now = sorted(set(was) | set(args.cumulative))
+    dense = config.num_key_value_heads * (config.head_dim + config.v_head_dim) * 4 * config.num_hidden_layers
+    kv = {str(n): {"plan": round(kv_bytes_per_token(config, now, n)), "student": round(kv_bytes_per_token(
+        config, was, n)), "dense": dense} for n in (2048, 4096, 32768)}
+    plan = {"arch": "hysparse", "num_hidden_layers": config.num_hidden_layers,
+            "options": {"full_layers": now, "swa_window": config.swa_window},
+            "default_options": {"full_layers": was, "swa_window": config.swa_window},
+            "measured_on": {"student": str(args.student), "tokens": args.tokens,
+                            "method": "layer swap: each listed layer's attention replaced by the teacher's own, "
+                                      "cumulatively; KL(teacher || student) and top-1 on held-out text"},
+            "layer_swap": rows, "kv_bytes_per_token": kv}
+    args.write_plan.parent.mkdir(parents=True, exist_ok=True)
+    args.write_plan.write_text(json.dumps(plan, indent=2) + "\n")
+    print(f"wrote {args.write_plan}: full layers {now} (was {was}); KV bytes per token at 32k "
+          f"{kv['32768']['plan']} (was {kv['32768']['student']}, dense {dense})")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Rebuild the recovered SmolLM2 students from the GGUF file plus the committed deltas:
 #   GGUF -> dense checkpoint (scripts/smollm2.sh) -> converted HySparse / HySparse2 -> + deltas/smollm2-<arch>.
-# Usage: bash scripts/smollm2_recovered.sh [hysparse|hysparse2 ...]   (default: both)
-# Writes $CHECKPOINTS/smollm2-<arch> (the delta's base) and $CHECKPOINTS/smollm2-<arch>-recovered
+# Usage: bash scripts/smollm2_recovered.sh [hysparse|hysparse2|hysparse-15full ...]   (default: hysparse hysparse2)
+# Writes $CHECKPOINTS/smollm2-<name> (the delta's base) and $CHECKPOINTS/smollm2-<name>-recovered
+# for each delta deltas/smollm2-<name>; the architecture is the delta's (its base_config.json).
 # (CHECKPOINTS=checkpoints by default).
 # The delta refuses a base whose weights differ from the one it was trained on. Each step is skipped when its
 # output is there (the base: when its config is the delta's base_config.json; the recovered checkpoint: when
@@ -28,8 +29,9 @@ for a in "${ARCHS[@]}"; do
   # The window is the one the delta was trained with (docs/recovery.md, "windows"): a converter option, which
   # wins over the plan's.
   window="$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["swa_window"])' "$delta/base_config.json")"
+  arch="$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["model_type"])' "$delta/base_config.json")"
   if ! cmp -s "$base/config.json" "$delta/base_config.json"; then
-    "$PY" -m vllm_hysparse.tools.convert --src "$TEACHER" --dst "$base" --arch "$a" "${plan[@]}" \
+    "$PY" -m vllm_hysparse.tools.convert --src "$TEACHER" --dst "$base" --arch "$arch" "${plan[@]}" \
       --swa-window "$window" --force
   fi
   out="$CHECKPOINTS/smollm2-$a-recovered"

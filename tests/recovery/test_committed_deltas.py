@@ -27,7 +27,7 @@ def _random_base(fields: dict):
 
 
 def test_there_are_committed_deltas():
-    assert NAMES == ["smollm2-hysparse", "smollm2-hysparse2"]
+    assert NAMES == ["smollm2-hysparse", "smollm2-hysparse-15full", "smollm2-hysparse2"]
 
 
 @pytest.mark.parametrize("name", NAMES)

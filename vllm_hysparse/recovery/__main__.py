@@ -5,6 +5,7 @@
         [--out recovered/] [--stage1-minutes 15] [--stage2-minutes 30]
     python -m vllm_hysparse.recovery apply --base converted/ --delta delta/ --out recovered/
     python -m vllm_hysparse.recovery export-peft --base converted/ --delta delta/ --out adapter/
+    python -m vllm_hysparse.recovery carry --delta delta/ --base converted-more-full/ --out carried/
     python -m vllm_hysparse.recovery init --teacher dense/ --student converted/ --out initialised/ \\
         [--calibrate TEXT] [--tokens 4096]
     python -m vllm_hysparse.recovery distill --teacher dense/ --student converted/ --text train.txt \\
@@ -18,6 +19,9 @@ delta's base.
 `distill` is plain KL distillation of the whole student on a text, a fixed
 number of steps, written as a full checkpoint (`recovery.distill`; formerly
 `python -m vllm_hysparse.distill`, which still forwards here).
+
+`carry` moves a HySparse delta onto a base converted with more full layers
+(`recovery.carry`): the promoted layers' tensors are dropped, the rest kept.
 
 `train --init` runs stage 0 in memory first and the delta carries its record,
 so the delta's base stays the converted checkpoint.
@@ -39,35 +43,29 @@ import sys
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, safe_open, save_file
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 import vllm_hysparse  # noqa: F401  (registers our configs and models)
-from vllm_hysparse.recovery import corpus, distill
+from vllm_hysparse.recovery import carry, corpus, distill
 from vllm_hysparse.recovery.corpus import windows_of
+from vllm_hysparse.recovery.delta_io import BASE_CONFIG, DELTA_FILE, INIT_REPORT, REPORT_FILE, read_delta
 from vllm_hysparse.recovery.distill import HeldOut, load_student
 from vllm_hysparse.recovery.distill import save as save_checkpoint
 from vllm_hysparse.recovery.init import INIT_PREFIX, STEP_ORDER, initialise, initialise_checkpoint
-from vllm_hysparse.recovery.lora import (apply_delta, attach_lora, base_digest, check_base, converted_linears,
-                                         delta_state, peft_adapter, resume_from_delta)
+from vllm_hysparse.recovery.lora import (
+    apply_delta,
+    attach_lora,
+    base_digest,
+    check_base,
+    converted_linears,
+    delta_state,
+    peft_adapter,
+    resume_from_delta,
+)
 from vllm_hysparse.recovery.train import Clock, end_to_end, local_transfer
 from vllm_hysparse.tools.staging import staged_output
-
-DELTA_FILE, REPORT_FILE, INIT_REPORT, BASE_CONFIG = "delta.safetensors", "recovery.json", "init.json", "base_config.json"
-
-
-def read_delta(path: Path) -> tuple[dict, dict]:
-    file = path / DELTA_FILE
-    if not file.is_file():
-        raise ValueError(f"{path}: no {DELTA_FILE} (is it a delta written by `recovery train`?)")
-    try:
-        with safe_open(str(file), "pt") as f:
-            meta = f.metadata() or {}
-        return load_file(str(file)), meta
-    except (SafetensorError, OSError) as e:
-        raise ValueError(f"{file}: unreadable delta ({e})") from None
 
 
 def rebuild(base: str, delta: Path, out: Path, force: bool) -> None:
@@ -265,6 +263,12 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--delta", required=True)
     a.add_argument("--out", required=True)
     a.add_argument("--force", action="store_true")
+    c = sub.add_parser("carry", help="carry a HySparse delta over to a base with more full layers",
+                       description=carry.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    c.add_argument("--delta", required=True, help="the trained delta")
+    c.add_argument("--base", required=True, help="the teacher converted again, with more full layers")
+    c.add_argument("--out", required=True, help="the carried delta's directory")
+    c.add_argument("--force", action="store_true", help="replace an existing --out")
     i = sub.add_parser("init", help="stage 0: closed-form initialisation from teacher activations")
     i.add_argument("--teacher", required=True, help="dense teacher checkpoint")
     i.add_argument("--student", required=True, help="converted HySparse / HySparse2 checkpoint")
@@ -294,6 +298,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "export-peft":
             export_peft(args.base, Path(args.delta), Path(args.out), args.force)
             print(f"wrote {args.out} (PEFT adapter of {args.delta} for {args.base})")
+            return 0
+        if args.command == "carry":
+            report = carry.carry(Path(args.delta), args.base, Path(args.out), args.force)
+            moved = report["oracle_moved"]
+            print(f"wrote {args.out}: layers {report['promoted']} now full, {report['tensors_dropped']} of their "
+                  f"tensors dropped, {report['tensors_kept']} kept"
+                  + (f"; sparse layers reading a new oracle (train them again): {sorted(moved)}" if moved else
+                     "; no sparse layer reads a new oracle"))
             return 0
         if args.command == "init":
             report = init(args)
