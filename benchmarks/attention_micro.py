@@ -124,6 +124,18 @@ def previous_token_oracle(fn):
     return without(token_oracle_batched, "cpu_kernels", fn)
 
 
+def one_pass_prefill(fn):
+    """`fn` with the token oracle's prefill rows through the tiled kernel's logits (one pass, every head's logits
+    written and read back by the selection), as before 2026-12-06 10:50."""
+    def run():
+        token_oracle_batched.PREFILL_TWO_PASS = False
+        try:
+            return fn()
+        finally:
+            token_oracle_batched.PREFILL_TWO_PASS = True
+    return run
+
+
 def hysparse_prefill(ctx, rows, reps):
     """One prefill chunk: the last `rows` rows of one request of `ctx` positions."""
     s = HYSPARSE
@@ -170,7 +182,9 @@ def hysparse2_prefill(ctx, rows, reps):
 
     tiled = cpu_ext.load("oracle_tiled")
     return {
-        f"prefill {rows} rows: token_oracle (C++)": median_ms(token_oracle, reps),
+        f"prefill {rows} rows: token_oracle (C++, two passes)": median_ms(token_oracle, reps),
+        f"prefill {rows} rows: token_oracle (C++, one pass with logits)": median_ms(one_pass_prefill(token_oracle),
+                                                                                    reps),
         f"prefill {rows} rows: token_oracle attention alone (tiled kernel, no logits)": median_ms(attention_alone,
                                                                                                   reps),
         f"prefill {rows} rows: token_oracle (previous path)": median_ms(previous_token_oracle(token_oracle), reps),

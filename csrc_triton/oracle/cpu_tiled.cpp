@@ -79,6 +79,8 @@ struct Problem {
   float* scores;        // [N, G, n_scores] or nullptr
   float* logits;        // [N, H, max_len] or nullptr: the token oracle's logits (-inf past each row's position)
   float* lse;           // [N, H] with logits
+  float* reduced;       // [N, G, max_len] or nullptr: the token oracle's reduced probabilities R (second pass)
+  bool reduce_sum;      // with `reduced`: R = sum over the group's heads, else max
   int64_t heads, groups, page, block, topk, n_scores, max_len, s_page, s_group, s_tok, s_bt, s_q, s_ids;
   float scale;
 };
@@ -148,6 +150,69 @@ void finish_row(const Problem& pb, int64_t row, int64_t group, const float* m, c
   std::sort(order, order + k);
   int32_t* dst = pb.ids + row * pb.s_ids + group * pb.topk;
   for (int64_t j = 0; j < pb.topk; ++j) dst[j] = j < k ? order[j] : -1;
+}
+
+// The token oracle's second pass over a task's keys, once its rows' statistics are final (no split rows): every
+// key's probability under each query vector, exp(z - lse), reduced over the group's heads (max or sum) straight into
+// R [N, G, max_len]. It scores the keys again instead of writing every head's logits in the first pass: a prefill
+// chunk's logits (12 heads x 2,048 rows x 8k keys, 805 MB) cost more to write and read back than the dot products.
+// For `max`, exp is monotone: R = exp(max over heads of (z - lse)), as `token_select` computes it from logits.
+template <int DIM>
+void reduce_pass(const Problem& pb, const Task& tk, int64_t nq, const float* qs, float* kt, float* s, const float* m,
+                 const float* l, const float* lim) {
+  const int64_t per_group = pb.heads / pb.groups;
+  const bool direct = nq <= DIRECT_MAX;
+  std::vector<float> lse(nq);
+  for (int64_t i = 0; i < nq; ++i) lse[i] = m[i] + std::log(l[i]);
+  const int32_t* pages = pb.bt + pb.reqs[tk.row(0)] * pb.s_bt;
+  const float* base = pb.kv + tk.group * pb.s_group;
+  const float* kp[OKEYS];
+  for (int64_t k0 = tk.begin; k0 < tk.keys; k0 += OKEYS) {
+    const int64_t count = std::min(OKEYS, tk.keys - k0);
+    for (int64_t j = 0, pg = k0 / pb.page, off = k0 - pg * pb.page; j < count; ++j) {
+      kp[j] = base + pages[pg] * pb.s_page + off * pb.s_tok;
+      if (++off == pb.page) off = 0, ++pg;
+    }
+    if (!direct) transpose_keys<DIM, OKEYS>(kp, count, kt);
+    for (int64_t c0 = 0; c0 < nq; c0 += QCHUNK) {
+      const int64_t c1 = std::min(nq, c0 + QCHUNK);
+      if (*std::max_element(lim + c0, lim + c1) < static_cast<float>(k0)) continue;
+      if (direct) {
+        score_direct<DIM, OKEYS>(qs + c0 * DIM, c1 - c0, kp, count, s);
+      } else {
+        score_tiled<DIM, OKEYS>(qs + c0 * DIM, c1 - c0, kt, s);
+      }
+      for (int64_t i = c0; i < c1; ++i) {
+        const int64_t visible = std::min<int64_t>(count, static_cast<int64_t>(lim[i]) - k0 + 1);
+        if (visible <= 0) continue;
+        const float* si = s + (i - c0) * OKEYS;
+        const int64_t p = i % per_group;  // a row's heads come in order, the first one writes
+        float* r = pb.reduced + (tk.row(i / per_group) * pb.groups + tk.group) * pb.max_len + k0;
+        const float c = lse[i];
+        if (pb.reduce_sum) {
+          int64_t j = 0;
+          for (; j + 8 <= visible; j += 8) {
+            const v8 e = exp8(load8(si + j) - splat(c));
+            store8(r + j, p == 0 ? e : load8(r + j) + e);
+          }
+          for (; j < visible; ++j) {
+            const float e = exp8(splat(si[j] - c))[0];
+            r[j] = p == 0 ? e : r[j] + e;
+          }
+        } else {
+          for (int64_t j = 0; j < visible; ++j) r[j] = p == 0 ? si[j] - c : std::max(r[j], si[j] - c);
+        }
+      }
+    }
+  }
+  if (pb.reduce_sum) return;
+  for (int64_t r = 0; r < tk.rows; ++r) {  // max: the probabilities of the reduced logits
+    const int64_t row = tk.row(r), len = pb.pos[row] + 1;
+    float* x = pb.reduced + (row * pb.groups + tk.group) * pb.max_len;
+    int64_t j = 0;
+    for (; j + 8 <= len; j += 8) store8(x + j, exp8(load8(x + j)));
+    for (; j < len; ++j) x[j] = exp8(splat(x[j]))[0];
+  }
 }
 
 template <int DIM>
@@ -245,6 +310,7 @@ void run_task(const Problem& pb, const Task& tk, Partials& parts, std::vector<fl
       accumulate_many<DIM>(acc_of, w_of, na, vp, count);  // weights are 0 past each row's position
     }
   }
+  if (pb.reduced != nullptr) reduce_pass<DIM>(pb, tk, nq, qs, kt, s, m, l, lim);
   if (tk.slot0 >= 0) {  // split rows: the state goes to their slots, merged in `finish_split`
     for (int64_t r = 0; r < tk.rows; ++r) {
       float* st = parts.at(tk.slot0 + r, tk.group, tk.part);
@@ -302,15 +368,10 @@ void run_all(const Problem& pb, const std::vector<Task>& tasks, Partials& parts)
   }
 }
 
-// q [N, H, D] (rows with a contiguous last dim), kv [pages, G, page, 2D] float32 (K then V);
-// reqs, pos [N] int64 (each row's request and position). Writes out [N, H, D] (contiguous float32),
-// ids [N, G, topk] int32 (contiguous last two dims; e.g. a view of the index buffer) and, when
-// `scores` is not empty, the block scores [N, G, n_scores] (0 past each row's visible blocks). When `logits`
-// is not empty: the logits [N, H, max_len] (-inf past each row's position) and lse [N, H] as well, for the
-// token oracle's selection (topk 0 and one block then make the rest nearly free).
-void oracle_tiled(at::Tensor q, at::Tensor kv, at::Tensor block_table, at::Tensor reqs,
-                  at::Tensor pos, int64_t block, int64_t topk, double scale, at::Tensor out,
-                  at::Tensor ids, at::Tensor scores, at::Tensor logits, at::Tensor lse) {
+// Both ops' checks, tasks and run (see `oracle_tiled` and `oracle_tiled_reduced` below).
+void run_oracle(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table, const at::Tensor& reqs,
+                const at::Tensor& pos, int64_t block, int64_t topk, double scale, at::Tensor& out, at::Tensor& ids,
+                at::Tensor& scores, at::Tensor& logits, at::Tensor& lse, at::Tensor& reduced, bool reduce_sum) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1 && q.stride(1) == q.size(2),
               "q: expected [N, H, D] float32 with contiguous heads");
   TORCH_CHECK(kv.dim() == 4 && kv.scalar_type() == at::kFloat && kv.stride(3) == 1,
@@ -342,11 +403,22 @@ void oracle_tiled(at::Tensor q, at::Tensor kv, at::Tensor block_table, at::Tenso
     TORCH_CHECK(n == 0 || *std::max_element(ps, ps + n) < logits.size(2),
                 "logits: a row's position is past the last column");
   }
+  const bool has_reduced = reduced.numel() > 0;
+  if (has_reduced) {
+    TORCH_CHECK(!has_logits, "reduced: not with logits");
+    TORCH_CHECK(reduced.scalar_type() == at::kFloat && reduced.is_contiguous() && reduced.dim() == 3 &&
+                    reduced.size(0) == n && reduced.size(1) == groups,
+                "reduced: expected contiguous [N, G, L] float32");
+    const int64_t* ps = pos.data_ptr<int64_t>();
+    TORCH_CHECK(n == 0 || *std::max_element(ps, ps + n) < reduced.size(2),
+                "reduced: a row's position is past the last column");
+  }
   const Problem pb{q.data_ptr<float>(), kv.data_ptr<float>(), block_table.data_ptr<int32_t>(),
                    reqs.data_ptr<int64_t>(), pos.data_ptr<int64_t>(), out.data_ptr<float>(), ids.data_ptr<int32_t>(),
                    has_scores ? scores.data_ptr<float>() : nullptr, has_logits ? logits.data_ptr<float>() : nullptr,
-                   has_logits ? lse.data_ptr<float>() : nullptr, heads, groups, kv.size(2), block, topk,
-                   has_scores ? scores.size(2) : 0, has_logits ? logits.size(2) : 0, kv.stride(0), kv.stride(1),
+                   has_logits ? lse.data_ptr<float>() : nullptr, has_reduced ? reduced.data_ptr<float>() : nullptr,
+                   reduce_sum, heads, groups, kv.size(2), block, topk, has_scores ? scores.size(2) : 0,
+                   has_logits ? logits.size(2) : (has_reduced ? reduced.size(2) : 0), kv.stride(0), kv.stride(1),
                    kv.stride(2), block_table.stride(0), q.stride(0), ids.stride(0), static_cast<float>(scale)};
   // tiles of consecutive rows of one request (a request's rows are contiguous in a vLLM batch)
   const int64_t* rq = pb.reqs;
@@ -358,7 +430,8 @@ void oracle_tiled(at::Tensor q, at::Tensor kv, at::Tensor block_table, at::Tenso
   for (int64_t r0 = 0; r0 < n;) {
     int64_t r1 = r0 + 1, last = ps[r0];
     while (r1 < n && r1 - r0 < tile && rq[r1] == rq[r0]) last = std::max(last, ps[r1++]);
-    if (r1 - r0 == 1 && ps[r0] + 1 >= SHARED_MIN_KEYS) {
+    // (the second pass needs each row's final statistics in its own task: no split rows with `reduced`)
+    if (r1 - r0 == 1 && ps[r0] + 1 >= SHARED_MIN_KEYS && !has_reduced) {
       singles.push_back(r0);
     } else {
       for (int64_t g = 0; g < groups; ++g) tasks.push_back({r0, r1 - r0, g, 0, last + 1, nullptr, -1, 0});
@@ -429,6 +502,31 @@ void oracle_tiled(at::Tensor q, at::Tensor kv, at::Tensor block_table, at::Tenso
   }
 }
 
+// q [N, H, D] (rows with a contiguous last dim), kv [pages, G, page, 2D] float32 (K then V);
+// reqs, pos [N] int64 (each row's request and position). Writes out [N, H, D] (contiguous float32),
+// ids [N, G, topk] int32 (contiguous last two dims; e.g. a view of the index buffer) and, when
+// `scores` is not empty, the block scores [N, G, n_scores] (0 past each row's visible blocks). When `logits`
+// is not empty: the logits [N, H, max_len] (-inf past each row's position) and lse [N, H] as well, for the
+// token oracle's selection (topk 0 and one block then make the rest nearly free).
+void oracle_tiled(at::Tensor q, at::Tensor kv, at::Tensor block_table, at::Tensor reqs, at::Tensor pos, int64_t block,
+                  int64_t topk, double scale, at::Tensor out, at::Tensor ids, at::Tensor scores, at::Tensor logits,
+                  at::Tensor lse) {
+  at::Tensor none = at::empty({0}, q.options());
+  run_oracle(q, kv, block_table, reqs, pos, block, topk, scale, out, ids, scores, logits, lse, none, false);
+}
+
+// The token oracle's attention and reduced probabilities R [N, G, L] (the group's heads' exp(z - lse), max or sum;
+// written for keys j <= each row's position) in two passes over each task's keys: out [N, H, D] as above.
+void oracle_tiled_reduced(at::Tensor q, at::Tensor kv, at::Tensor block_table, at::Tensor reqs, at::Tensor pos,
+                          double scale, bool reduce_sum, at::Tensor out, at::Tensor reduced) {
+  TORCH_CHECK(reduced.dim() == 3 && reduced.size(2) > 0, "reduced: expected [N, G, L] with L > 0");
+  at::Tensor ids = at::empty({q.size(0), kv.size(1), 0}, q.options().dtype(at::kInt));
+  const at::TensorOptions f32 = q.options();
+  at::Tensor scores = at::empty({0}, f32), logits = at::empty({0}, f32), lse = at::empty({0}, f32);
+  run_oracle(q, kv, block_table, reqs, pos, reduced.size(2), 0, scale, out, ids, scores, logits, lse, reduced,
+             reduce_sum);
+}
+
 }  // namespace
 
 #define HYSPARSE_DIM(D) D,
@@ -439,8 +537,14 @@ TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   // Oracle attention of every row over its request's pages, one tiled pass, top-k blocks of Eq. 3.
   m.def("oracle_tiled(Tensor q, Tensor kv, Tensor block_table, Tensor reqs, Tensor pos, int block, int topk, "
         "float scale, Tensor(a!) out, Tensor(b!) ids, Tensor(c!) scores, Tensor(d!) logits, Tensor(e!) lse) -> ()");
+  // The token oracle's attention and reduced probabilities R, two passes per task (no per-head logits).
+  m.def("oracle_tiled_reduced(Tensor q, Tensor kv, Tensor block_table, Tensor reqs, Tensor pos, float scale, "
+        "bool reduce_sum, Tensor(a!) out, Tensor(b!) reduced) -> ()");
   // The head dims the switch above compiles.
   m.def("supported_dims() -> int[]", &supported_dims);
 }
 
-TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) { m.impl("oracle_tiled", &oracle_tiled); }
+TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
+  m.impl("oracle_tiled", &oracle_tiled);
+  m.impl("oracle_tiled_reduced", &oracle_tiled_reduced);
+}

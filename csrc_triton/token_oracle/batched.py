@@ -7,9 +7,12 @@ scored once. Decode rows of all requests run together. The top-k is a
 (smaller position first) without sorting every row.
 
 Where the C++ kernels are built (float32, vLLM's interleaved pages, D_k == D_v),
-every row runs through the tiled oracle kernel, which writes its logits and
-log-sum-exps, and the selection runs in C++ on them (`cpu_select.cpp`): the
-same threshold and tie fill, linear in the context, with no PyTorch top-k.
+every row runs through the tiled oracle kernel and the selection runs in C++
+(`cpu_select.cpp`): the same threshold and tie fill, linear in the context, with
+no PyTorch top-k. Decode rows get their logits and log-sum-exps from the kernel
+(shared prefixes are walked once, in parts); prefill rows get the reduced
+probabilities R from the kernel's second pass over each tile's keys, twelve
+times less to write and read back than every head's logits.
 """
 
 import torch
@@ -117,11 +120,17 @@ def token_oracle_attention_batched(q, k_cache, v_cache, block_table, query_start
     return out, indices
 
 
-# Logits the C++ path holds at once, in floats: bounds the rows of a chunk (128 MB; 341 rows of 12 heads at 8k).
+# Logits (decode) or R (prefill) the C++ path holds at once, in floats: bounds the rows of a chunk (128 MB; 341
+# decode rows of 12 heads at 8k, 4,096 prefill rows of one group).
 LOGIT_BUDGET = 2 * ELEMENT_BUDGET
 # The logits scratch, kept between calls: a fresh 128 MB buffer pays a page fault per 4 KB on its first write, which
 # on a 2,048-row prefill chunk at 8k cost more than the selection itself.
 _SCRATCH: dict[str, torch.Tensor] = {}
+
+
+# Prefill rows through the kernel's second pass (R), not its logits: 2,048 rows at 32k, 1,465 against 2,048 ms; at
+# 8k the same within noise (README.md, "On the CPU"). False only for the benchmark's comparison.
+PREFILL_TWO_PASS = True
 
 
 def _scratch(numel: int) -> torch.Tensor:
@@ -148,32 +157,42 @@ def run_cpu_kernels(q, pages, tiled, select, block_table, plan: BatchPlan, out, 
     """Every row of a step through the C++ kernels: decode rows together, each prefill run in chunks of rows.
 
     A chunk's rows are scored against `num_keys` keys (a host bound from the plan: the longest decode, or the
-    last row of the run's chunk); the tiled oracle writes their output, logits `[n, H, num_keys]` and lse
-    `[n, H]` (one block spanning every key, no block top-k), and `token_select` turns those into S_t.
+    last row of the run's chunk). Decode rows: the tiled oracle writes their output, logits `[n, H, num_keys]` and
+    lse `[n, H]` (one block spanning every key, no block top-k), and `token_select` turns those into S_t. Prefill
+    rows: its two-pass form writes the output and R `[n, G, num_keys]`, and `token_select_probs` selects from R.
     """
     heads, groups = q.shape[1], indices.shape[1]
-    for rows, reqs, pos, num_keys in _row_chunks(plan, heads, q.device):
+    for rows, reqs, pos, num_keys, two_pass in _row_chunks(plan, heads, groups, q.device):
         n = rows.shape[0]
         qr, pr = q[rows].float().contiguous(), pos.contiguous()
         o = torch.empty_like(qr)
-        buf = _scratch(n * heads * (num_keys + 1))
-        logits, lse = buf[:n * heads * num_keys].view(n, heads, num_keys), buf[n * heads * num_keys:].view(n, heads)
-        tiled.oracle_tiled(qr, pages, block_table, reqs.contiguous(), pr, num_keys, 0, scale, o,
-                           torch.empty(n, groups, 0, dtype=torch.int32), torch.empty(0), logits, lse)
         ids = torch.empty(n, groups, indices.shape[2], dtype=torch.int32)
-        select.token_select(logits, lse, pr, groups, topk_tokens, recent_window, reduce == "sum", ids)
+        if two_pass:
+            probs = _scratch(n * groups * num_keys).view(n, groups, num_keys)
+            tiled.oracle_tiled_reduced(qr, pages, block_table, reqs.contiguous(), pr, scale, reduce == "sum", o,
+                                       probs)
+            select.token_select_probs(probs, pr, topk_tokens, recent_window, ids)
+        else:
+            buf = _scratch(n * heads * (num_keys + 1))
+            logits = buf[:n * heads * num_keys].view(n, heads, num_keys)
+            lse = buf[n * heads * num_keys:].view(n, heads)
+            tiled.oracle_tiled(qr, pages, block_table, reqs.contiguous(), pr, num_keys, 0, scale, o,
+                               torch.empty(n, groups, 0, dtype=torch.int32), torch.empty(0), logits, lse)
+            select.token_select(logits, lse, pr, groups, topk_tokens, recent_window, reduce == "sum", ids)
         out[rows] = o.to(out.dtype)
         indices[rows] = ids
 
 
-def _row_chunks(plan: BatchPlan, heads: int, device):
-    """(rows, their requests, their positions, keys to score) for chunks whose logits fit `LOGIT_BUDGET`: the
-    decode rows (scored against the longest decode), then each prefill run's rows (against the chunk's last row)."""
+def _row_chunks(plan: BatchPlan, heads: int, groups: int, device):
+    """(rows, their requests, their positions, keys to score, two passes?) for chunks whose scratch fits
+    `LOGIT_BUDGET`: the decode rows (every head's logits, against the longest decode), then each prefill run's rows
+    (R of every group with `PREFILL_TWO_PASS`, against the chunk's last row)."""
     num_keys = max(plan.max_decode_len, 1)
     for s, e in chunks(plan.num_decodes, LOGIT_BUDGET // (heads * num_keys)):
-        yield plan.decode_rows[s:e], plan.decode_reqs[s:e], plan.decode_lens[s:e] - 1, num_keys
+        yield plan.decode_rows[s:e], plan.decode_reqs[s:e], plan.decode_lens[s:e] - 1, num_keys, False
+    per_row = groups if PREFILL_TWO_PASS else heads
     for run in plan.prefills:
-        for s, e in chunks(run.end - run.start, LOGIT_BUDGET // (heads * run.seq_len)):
+        for s, e in chunks(run.end - run.start, LOGIT_BUDGET // (per_row * run.seq_len)):
             a, b = run.start + s, run.start + e
             yield (torch.arange(a, b, device=device), torch.full((e - s,), run.req, device=device),
-                   plan.row_pos[a:b], run.first_pos + e)
+                   plan.row_pos[a:b], run.first_pos + e, PREFILL_TWO_PASS)

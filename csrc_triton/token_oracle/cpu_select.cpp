@@ -83,6 +83,25 @@ float kth_largest(const float* r, int64_t count, int64_t k, std::vector<int64_t>
   return bucket[nth];
 }
 
+// S_t of one row and group into o[0, topk + window): `r` the candidates' R (read when more than topk), t the row's
+// position. Returns how many positions were written.
+int64_t select_row(const float* r, int64_t t, int64_t topk, int64_t window, int32_t* o, std::vector<int64_t>& hist,
+                   std::vector<float>& bucket) {
+  int64_t written = 0;
+  const int64_t first_window = std::max<int64_t>(0, t - window + 1);  // candidates are [0, first_window)
+  if (first_window <= topk) {
+    for (int64_t j = 0; j < first_window; ++j) o[written++] = static_cast<int32_t>(j);
+  } else if (topk > 0) {
+    const float kth = kth_largest(r, first_window, topk, hist, bucket);
+    int64_t ties = topk;  // the candidates equal to the k-th value that are taken: the rest of k
+    for (int64_t j = 0; j < first_window; ++j) ties -= r[j] > kth;
+    for (int64_t j = 0; j < first_window; ++j)
+      if (r[j] > kth || (r[j] == kth && ties-- > 0)) o[written++] = static_cast<int32_t>(j);
+  }
+  for (int64_t j = first_window; j <= t; ++j) o[written++] = static_cast<int32_t>(j);
+  return written;
+}
+
 void token_select(const at::Tensor& logits, const at::Tensor& lse, const at::Tensor& pos, int64_t groups,
                   int64_t topk, int64_t window, bool sum, at::Tensor& ids) {
   TORCH_CHECK(logits.dim() == 3 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
@@ -111,20 +130,41 @@ void token_select(const at::Tensor& logits, const at::Tensor& lse, const at::Ten
       int32_t* o = out + task * width;
       int64_t written = 0;
       if (t >= 0) {
-        const int64_t first_window = std::max<int64_t>(0, t - window + 1);  // candidates are [0, first_window)
-        if (first_window <= topk) {
-          for (int64_t j = 0; j < first_window; ++j) o[written++] = static_cast<int32_t>(j);
-        } else if (topk > 0) {
+        const int64_t first_window = std::max<int64_t>(0, t - window + 1);
+        if (first_window > topk && topk > 0) {
           const int64_t h0 = row * heads + g * per_group;
           reduced_probabilities(z + h0 * len, len, l + h0, per_group, first_window, sum, r.data());
-          const float kth = kth_largest(r.data(), first_window, topk, hist, bucket);
-          int64_t ties = topk;  // the candidates equal to the k-th value that are taken: the rest of k
-          for (int64_t j = 0; j < first_window; ++j) ties -= r[j] > kth;
-          for (int64_t j = 0; j < first_window; ++j)
-            if (r[j] > kth || (r[j] == kth && ties-- > 0)) o[written++] = static_cast<int32_t>(j);
         }
-        for (int64_t j = first_window; j <= t; ++j) o[written++] = static_cast<int32_t>(j);
+        written = select_row(r.data(), t, topk, window, o, hist, bucket);
       }
+      std::fill(o + written, o + width, -1);
+    }
+  });
+}
+
+// S_t from R itself [N, G, L] (the tiled oracle's second pass writes it: `oracle_tiled_reduced`), R read for
+// j < each row's position - window + 1 only.
+void token_select_probs(const at::Tensor& probs, const at::Tensor& pos, int64_t topk, int64_t window, at::Tensor& ids) {
+  TORCH_CHECK(probs.dim() == 3 && probs.scalar_type() == at::kFloat && probs.is_contiguous(),
+              "token_select_probs: probs must be contiguous float32 [N, G, L]");
+  const int64_t n = probs.size(0), groups = probs.size(1), len = probs.size(2), width = topk + window;
+  TORCH_CHECK(topk >= 0 && window >= 0 && width > 0, "token_select_probs: topk and window >= 0, not both 0");
+  TORCH_CHECK(pos.scalar_type() == at::kLong && pos.is_contiguous() && pos.numel() == n,
+              "token_select_probs: pos must be contiguous int64 [N]");
+  TORCH_CHECK(ids.scalar_type() == at::kInt && ids.is_contiguous() && ids.numel() == n * groups * width,
+              "token_select_probs: ids must be contiguous int32 [N, G, topk + window]");
+  const float* pr = probs.data_ptr<float>();
+  const int64_t* ps = pos.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(ps[i] < len, "token_select_probs: row ", i, " at position ", ps[i], " past the ", len, " columns");
+  int32_t* out = ids.data_ptr<int32_t>();
+  at::parallel_for(0, n * groups, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> bucket;
+    std::vector<int64_t> hist(RADIX_BUCKETS);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t t = ps[task / groups];
+      int32_t* o = out + task * width;
+      const int64_t written = t >= 0 ? select_row(pr + task * len, t, topk, window, o, hist, bucket) : 0;
       std::fill(o + written, o + width, -1);
     }
   });
@@ -136,6 +176,11 @@ TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   // S_t of every row and KV group from the rows' logits [N, H, L] (-inf past each row) and lse [N, H] (SPEC §3.3).
   m.def("token_select(Tensor logits, Tensor lse, Tensor pos, int groups, int topk, int window, bool sum, "
         "Tensor(a!) ids) -> ()");
+  // The same from the reduced probabilities R [N, G, L] themselves.
+  m.def("token_select_probs(Tensor probs, Tensor pos, int topk, int window, Tensor(a!) ids) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) { m.impl("token_select", &token_select); }
+TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
+  m.impl("token_select", &token_select);
+  m.impl("token_select_probs", &token_select_probs);
+}
