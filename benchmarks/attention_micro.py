@@ -126,7 +126,7 @@ def previous_token_oracle(fn):
 
 def one_pass_prefill(fn):
     """`fn` with the token oracle's prefill rows through the tiled kernel's logits (one pass, every head's logits
-    written and read back by the selection), as before 2026-12-06 10:50."""
+    written and read back by the selection): the prefill path until 2026-12-06."""
     def run():
         token_oracle_batched.PREFILL_TWO_PASS = False
         try:
