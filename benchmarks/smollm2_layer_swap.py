@@ -20,6 +20,7 @@ Writes `benchmarks/results/smollm2/layer_swap_<date>_<HHMM>.{md,json}` and print
 """
 
 import argparse
+import copy
 import datetime
 import json
 import sys
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import vllm_hysparse  # noqa: F401 - registers the HySparse model types with transformers
+from vllm_hysparse.configs.base import kv_bytes_per_token
 from vllm_hysparse.recovery.corpus import heldout_text
 from vllm_hysparse.reference import modeling_hysparse, ops
 from vllm_hysparse.reference.fast_ops import fast_reference_ops
@@ -158,21 +160,19 @@ def report(args, argv, rows: dict, t0: float) -> int:
     return 0
 
 
-def kv_bytes_per_token(config, full_layers: list[int], tokens: int) -> float:
-    """KV bytes per token at `tokens` tokens (float32): a full layer keeps every token, a sparse layer its window."""
-    per_layer = config.num_key_value_heads * (config.head_dim + config.v_head_dim) * 4
-    sparse = config.num_hidden_layers - len(full_layers)
-    return per_layer * (len(full_layers) + sparse * min(config.swa_window, tokens) / tokens)
-
-
 def write_plan(args, config, rows: dict) -> None:
     """The conversion plan with the `--cumulative` layers full as well (a `convert --plan` file), and the
     measurement it was chosen from."""
     was = [i for i, t in enumerate(config.layer_types) if t == "full_attention"]
     now = sorted(set(was) | set(args.cumulative))
-    dense = config.num_key_value_heads * (config.head_dim + config.v_head_dim) * 4 * config.num_hidden_layers
-    kv = {str(n): {"plan": round(kv_bytes_per_token(config, now, n)), "student": round(kv_bytes_per_token(
-        config, was, n)), "dense": dense} for n in (2048, 4096, 32768)}
+    planned = copy.deepcopy(config)
+    planned.layer_types = ["full_attention" if i in now else t for i, t in enumerate(config.layer_types)]
+    kv = {}
+    for n in (2048, 4096, 32768):  # float32 caches
+        plan_kv, student_kv = (kv_bytes_per_token(c, 4, n) for c in (planned, config))
+        kv[str(n)] = {"plan": round(plan_kv["bytes_per_token"]), "student": round(student_kv["bytes_per_token"]),
+                      "dense": student_kv["dense_bytes_per_token"]}
+    dense = kv["32768"]["dense"]
     plan = {"arch": "hysparse", "num_hidden_layers": config.num_hidden_layers,
             "options": {"full_layers": now, "swa_window": config.swa_window},
             "default_options": {"full_layers": was, "swa_window": config.swa_window},

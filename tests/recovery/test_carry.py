@@ -11,7 +11,6 @@ from transformers import AutoModelForCausalLM
 
 from tests.recovery_utils import PLANS
 from vllm_hysparse.recovery import __main__ as cli
-from vllm_hysparse.recovery.carry import oracle_sources
 from vllm_hysparse.recovery.lora import attach_lora, base_digest, converted_linears, delta_state
 from vllm_hysparse.tools import convert
 
@@ -55,11 +54,6 @@ def _convert(checkpoints, dst, full_layers, window="16"):
     argv = ["--src", str(checkpoints["teacher"]), "--dst", str(dst), "--arch", "hysparse", *_plan(full_layers, window)]
     assert convert.main(argv) == 0
     return dst
-
-
-def test_oracle_sources_are_the_last_full_layer_before_each_sparse_layer():
-    f, s = "full_attention", "sparse_attention"
-    assert oracle_sources([f, s, s, f, s, f, f, s]) == [None, 0, 0, None, 3, None, None, 6]
 
 
 @pytest.mark.parametrize("promote,moved", [("2", {}), ("4", {"5": [3, 4]}), ("1,2", {})])

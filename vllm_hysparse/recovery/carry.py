@@ -21,22 +21,12 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
+from vllm_hysparse.configs import HySparseConfig
 from vllm_hysparse.recovery.delta_io import BASE_CONFIG, DELTA_FILE, REPORT_FILE, read_delta
 from vllm_hysparse.recovery.distill import load_student
 from vllm_hysparse.recovery.folds import INIT_PREFIX
 from vllm_hysparse.recovery.lora import base_digest, check_delta, converted_linears
 from vllm_hysparse.tools.staging import staged_output
-
-
-def oracle_sources(layer_types: list[str]) -> list[int | None]:
-    """For each layer, the full layer whose K/V a sparse layer reads (the last full layer before it); None for
-    full layers."""
-    sources, last = [], None
-    for i, kind in enumerate(layer_types):
-        if kind == "full_attention":
-            last = i
-        sources.append(None if kind == "full_attention" else last)
-    return sources
 
 
 def _layer(name: str) -> int:
@@ -59,8 +49,9 @@ def plan_change(old: dict, new: dict) -> dict:
         raise ValueError(f"carry: layer(s) {demoted} are full in the delta's base and sparse in the new one "
                          "(nothing was trained for them)")
     promoted = [i for i, (a, b) in enumerate(zip(was, now)) if a != b]
-    before, after = oracle_sources(was), oracle_sources(now)
-    moved = {i: [before[i], after[i]] for i in range(len(now)) if after[i] is not None and before[i] != after[i]}
+    # sparse layer -> the full layer whose K/V it reads; the new base's sparse layers are sparse in the old one
+    before, after = (HySparseConfig.from_dict(c).oracle_layer for c in (old, new))
+    moved = {i: [before[i], src] for i, src in sorted(after.items()) if before[i] != src}
     return {"promoted": promoted, "oracle_moved": moved}
 
 
