@@ -43,6 +43,7 @@ from csrc_triton.testing import make_paged_batch
 from csrc_triton.token_oracle.batched import token_oracle_attention_batched
 from csrc_triton.token_sparse.batched import token_sparse_attention_batched
 from vllm_hysparse.metrics import pages_touched
+from vllm_hysparse.tools.harness import machine_info
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 PAGE = 128
@@ -271,7 +272,8 @@ def main(argv=None) -> int:
     SHARED_PREFIX = args.shared_prefix
     result = {"command": "python benchmarks/attention_micro.py " + " ".join(argv or sys.argv[1:]),
               "load": " ".join(f"{x:.2f}" for x in os.getloadavg()),
-              "machine": f"{platform.machine()} {torch.get_num_threads()} threads", "torch": torch.__version__,
+              "machine": f"{platform.machine()} {torch.get_num_threads()} threads, {machine_info()['cpu']}",
+              "torch": torch.__version__,
               "num_reqs": args.num_reqs, "reps": args.reps, "shared_prefix": args.shared_prefix, "contexts": {}}
     for ctx in args.contexts:
         result["contexts"][ctx] = {"HySparse": hysparse_roles(args.num_reqs, ctx, args.reps),

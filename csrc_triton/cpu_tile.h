@@ -133,9 +133,11 @@ void score_direct_v(const float* qs, int64_t nq, const float* const* kp, int64_t
 
 // NQ query vectors' scores of a transposed tile kt [DIM, KT]: W keys per FMA (W floats a vector V), NQ x KT / W
 // accumulators.
-template <int DIM, int NQ, typename V = v8, int64_t KT = KEYS>
+// NK: the vectors of keys scored per call (all KT keys by default); a narrower call scores the keys from kt[0]
+// and writes them from s[0], both still KT apart per row (the caller offsets both pointers).
+template <int DIM, int NQ, typename V = v8, int64_t KT = KEYS, int NK = KT / (sizeof(V) / sizeof(float))>
 inline void score_n(const float* qs, const float* kt, float* s) {
-  constexpr int W = sizeof(V) / sizeof(float), NK = KT / W;
+  constexpr int W = sizeof(V) / sizeof(float);
   V a[NQ][NK];
   for (int q = 0; q < NQ; ++q)
     for (int c = 0; c < NK; ++c) a[q][c] = splatv<V>(0.f);
@@ -284,8 +286,11 @@ void score_direct(const float* qs, int64_t nq, const float* const* kp, int64_t c
 }
 
 // Same result as `score_direct` through a transposed tile kt [DIM, KT]: 8 (32-key tiles) or 4 query vectors at a
-// time in 16-float vectors where the CPU has AVX-512 (16 accumulators either way), else 2 at a time in 8-float
-// ones.
+// time in 16-float vectors where the CPU has AVX-512 (16 accumulators either way, of 32 registers). AVX2 has 16
+// registers: 6 query vectors x 16 keys (12 accumulators, 2 key vectors, a broadcast), then 2 x 32 keys. A whole
+// 64-key tile per pair of query vectors held 16 accumulators and 8 key vectors, spilled to the stack: with that
+// and `accumulate_many`'s four at a time, the token oracle's attention on 2,048 prefill rows at 8k took 628 ms,
+// now 458 (2-core AMD EPYC, benchmarks/results/attention_micro_2026-12-06_1319_avx2_before.md, _1322_avx2_after).
 template <int DIM, int64_t KT = KEYS>
 void score_tiled(const float* qs, int64_t nq, const float* kt, float* s) {
   int64_t i = 0;
@@ -293,9 +298,17 @@ void score_tiled(const float* qs, int64_t nq, const float* kt, float* s) {
   if constexpr (KT == 32)
     for (; i + 8 <= nq; i += 8) score_n<DIM, 8, v16, KT>(qs + i * DIM, kt, s + i * KT);
   for (; i + 4 <= nq; i += 4) score_n<DIM, 4, v16, KT>(qs + i * DIM, kt, s + i * KT);
-#endif
   for (; i + 2 <= nq; i += 2) score_n<DIM, 2, v8, KT>(qs + i * DIM, kt, s + i * KT);
   if (i < nq) score_n<DIM, 1, v8, KT>(qs + i * DIM, kt, s + i * KT);
+#else
+  static_assert(KT % 32 == 0, "AVX2 tiles: a multiple of 32 keys");
+  for (; i + 6 <= nq; i += 6)
+    for (int64_t c = 0; c < KT; c += 16) score_n<DIM, 6, v8, KT, 2>(qs + i * DIM, kt + c, s + i * KT + c);
+  for (; i + 2 <= nq; i += 2)
+    for (int64_t c = 0; c < KT; c += 32) score_n<DIM, 2, v8, KT, 4>(qs + i * DIM, kt + c, s + i * KT + c);
+  if (i < nq)
+    for (int64_t c = 0; c < KT; c += 32) score_n<DIM, 1, v8, KT, 4>(qs + i * DIM, kt + c, s + i * KT + c);
+#endif
 }
 
 // acc[q] [DIM] += sum_j p[q][j] * V_j for NQ query vectors at once over the same `count` keys: each V vector is
@@ -339,7 +352,8 @@ inline void accumulate_many(float* const* acc, const float* const* p, int64_t nq
     }
   }
 #endif
-  for (; i + 4 <= nq; i += 4) accumulate_n<DIM, 4>(acc + i, p + i, vp, count);
+  // Two at a time, not four: four query vectors' 16 accumulators plus 4 value vectors do not fit AVX2's 16
+  // registers (see `score_tiled`; in ad-hoc timings of that chunk, four at a time cost about a tenth more).
   for (; i + 2 <= nq; i += 2) accumulate_n<DIM, 2>(acc + i, p + i, vp, count);
   if (i < nq) accumulate_n<DIM, 1>(acc + i, p + i, vp, count);
 }

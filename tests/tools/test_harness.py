@@ -38,6 +38,10 @@ def test_machine_info_has_the_keys_the_reports_read():
     info = machine_info()
     # serve_bench, load_test, soak_test and pic_bench read these in their Markdown
     assert isinstance(info["cpu"], str) and info["cpu"]
+    # the vector ISA the C++ kernels' tile shapes depend on, from the CPU's flags (read here independently)
+    flags = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags")).split()
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags and "fma" in flags else "scalar"
+    assert info["cpu"].endswith(f"({isa})"), info["cpu"]
     assert info["cpu_count"] == os.cpu_count()
     assert len(info["loadavg_1_5_15_at_start"]) == 3
     assert set(info["versions"]) == {"torch", "vllm", "transformers"}
