@@ -65,7 +65,7 @@ from vllm_hysparse.recovery.lora import (
     resume_from_delta,
 )
 from vllm_hysparse.recovery.train import Clock, end_to_end, local_transfer
-from vllm_hysparse.tools.staging import staged_output
+from vllm_hysparse.tools.staging import check_replaceable, latch_interrupts, staged_output
 
 
 def rebuild(base: str, delta: Path, out: Path, force: bool) -> None:
@@ -78,8 +78,7 @@ def rebuild(base: str, delta: Path, out: Path, force: bool) -> None:
 def export_peft(base: str, delta: Path, out: Path, force: bool) -> None:
     """The delta as a PEFT adapter for `base` (checked to be the delta's base), written through a temporary
     directory."""
-    if out.exists() and any(out.iterdir()) and not force:
-        raise FileExistsError(f"{out} exists and is not empty; pass --force to replace it")
+    check_replaceable(out, force)
     tensors, meta = read_delta(delta)
     factors, config = peft_adapter(tensors, meta)
     check_base(load_student(base, "cpu"), tensors, meta)
@@ -210,6 +209,7 @@ def init(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    latch_interrupts()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="run stage 1 and stage 2, write the delta")

@@ -26,7 +26,7 @@ from vllm_hysparse.recovery.delta_io import BASE_CONFIG, DELTA_FILE, REPORT_FILE
 from vllm_hysparse.recovery.distill import load_student
 from vllm_hysparse.recovery.folds import INIT_PREFIX
 from vllm_hysparse.recovery.lora import base_digest, check_delta, converted_linears
-from vllm_hysparse.tools.staging import staged_output
+from vllm_hysparse.tools.staging import check_replaceable, staged_output
 
 
 def _layer(name: str) -> int:
@@ -57,8 +57,7 @@ def plan_change(old: dict, new: dict) -> dict:
 
 def carry(delta: Path, base: str, out: Path, force: bool = False) -> dict:
     """Write `out`: the delta carried over to `base` (see the module docstring). Returns the carry report."""
-    if out.exists() and any(out.iterdir()) and not force:
-        raise FileExistsError(f"{out} exists and is not empty; pass --force to replace it")
+    check_replaceable(out, force)
     tensors, meta = read_delta(delta)
     config_file = delta / BASE_CONFIG
     if not config_file.is_file():

@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import vllm_hysparse  # noqa: F401  (registers our configs and models)
 from vllm_hysparse.reference.evaluation import cut_windows, kl_rows
-from vllm_hysparse.tools.staging import staged_output
+from vllm_hysparse.tools.staging import check_replaceable, staged_output
 
 
 def kl_divergence(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
@@ -97,8 +97,7 @@ def distill(teacher, student, train: torch.Tensor, heldout: torch.Tensor, *, ste
 
 def save(student, tokenizer_dir: str, out: Path, force: bool) -> None:
     """Write through a temporary directory (`tools.staging`); never replaces a non-empty `out` without `force`."""
-    if out.exists() and any(out.iterdir()) and not force:
-        raise FileExistsError(f"{out} exists and is not empty; pass --force to replace it")
+    check_replaceable(out, force)
     with staged_output(out) as tmp:
         student.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp)

@@ -27,7 +27,7 @@ import torch
 
 from vllm_hysparse.tools.checkpoint_io import parse_size, save_sharded
 from vllm_hysparse.tools.convert.source import SOURCE_ARCHITECTURES
-from vllm_hysparse.tools.staging import staged_output
+from vllm_hysparse.tools.staging import check_replaceable, latch_interrupts, staged_output
 
 # GGUF architecture names whose transformers model types the converter accepts.
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -211,10 +211,7 @@ def verify(model, out: Path, dtype: torch.dtype, tol: float = 1e-5) -> str:
 
 
 def _check_destination(src: Path, dst: Path, force: bool) -> None:
-    if dst.exists() and not dst.is_dir():
-        raise GGUFImportError(f"{dst} exists and is not a directory")
-    if dst.exists() and any(dst.iterdir()) and not force:
-        raise GGUFImportError(f"{dst} exists and is not empty; pass --force to replace it")
+    check_replaceable(dst, force, GGUFImportError)
     if dst.resolve() in src.resolve().parents:
         # --force would delete the GGUF file itself when the import is moved into place.
         raise GGUFImportError("--dst must not be a directory that holds --src")
@@ -274,6 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    latch_interrupts()
     args = build_parser().parse_args(argv)
     try:
         out = import_gguf(args.src, args.dst, dtype=args.dtype, force=args.force, check=args.verify,

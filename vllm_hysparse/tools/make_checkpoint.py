@@ -22,7 +22,7 @@ from vllm_hysparse.configs import HySparse2Config, HySparseConfig
 from vllm_hysparse.configs.base import kv_bytes_per_token
 from vllm_hysparse.tools.checkpoint_io import parse_size, save_sharded
 from vllm_hysparse.tools.presets import CONFIG_ONLY, PRESETS, TOKENIZER_VOCAB
-from vllm_hysparse.tools.staging import staged_output
+from vllm_hysparse.tools.staging import check_replaceable, latch_interrupts, staged_output
 from vllm_hysparse.tools.tokenizer import build_hf_tokenizer
 
 CONFIG_CLASSES = {"hysparse": HySparseConfig, "hysparse2": HySparse2Config}
@@ -85,8 +85,7 @@ def write_checkpoint(
     kill leaves `out` untouched (see `vllm_hysparse.tools.staging`).
     """
     out = Path(out)
-    if out.exists() and any(out.iterdir()) and not force:
-        raise FileExistsError(f"{out} exists and is not empty; pass --force to replace it")
+    check_replaceable(out, force)
     config = build_config(arch, preset, overrides)
     tokenizer = build_hf_tokenizer(TOKENIZER_VOCAB)
     if config.vocab_size < len(tokenizer):
@@ -131,6 +130,7 @@ def parse_overrides(items: list[str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    latch_interrupts()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", choices=sorted(CONFIG_CLASSES), required=True)
     parser.add_argument("--preset", choices=["tiny", "tiny_moe", "small", "paper"], default="tiny")

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Quantise a float HySparse / HySparse2 checkpoint's linear layers to FP8 (compressed-tensors format).
 
-    python -m vllm_hysparse.tools.quantize --src ckpt/ --dst ckpt-fp8/ [--ignore MODULE ...]
+    python -m vllm_hysparse.tools.quantize --src ckpt/ --dst ckpt-fp8/ [--ignore MODULE ...] [--force]
 
 The layout is compressed-tensors' "FP8 dynamic" scheme, which vLLM's CPU
 build runs in float32 (see docs/serving.md, "Quantised checkpoints"):
@@ -10,7 +10,9 @@ output channel (`<module>.weight_scale`, shape `[out, 1]`), and activations
 are quantised per token at run time. Embeddings, norms, sinks and
 `lm_head` stay as they are. Modules are named as in the checkpoint; list
 every shard of a fused module in `--ignore` or none of them (vLLM requires
-one scheme per fused module).
+one scheme per fused module). The output is written through a temporary
+directory (`tools.staging`): an existing `--dst` is replaced only with `--force`,
+and never left half-written.
 """
 
 import argparse
@@ -21,6 +23,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from vllm_hysparse.tools.staging import check_replaceable, latch_interrupts, staged_output
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
@@ -76,9 +80,17 @@ def read_tensors(src: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def quantize_checkpoint(src: str | Path, dst: str | Path, ignore: list[str] | tuple[str, ...] = ()) -> Path:
-    """Write `dst`: `src` with every linear weight outside `ignore` (and `ALWAYS_KEPT`) in FP8. Returns `dst`."""
+def quantize_checkpoint(src: str | Path, dst: str | Path, ignore: list[str] | tuple[str, ...] = (),
+                        force: bool = False) -> Path:
+    """Write `dst`: `src` with every linear weight outside `ignore` (and `ALWAYS_KEPT`) in FP8. Returns `dst`.
+
+    Refuses a non-empty `dst` unless `force`, and `dst` == `src`."""
     src, dst = Path(src), Path(dst)
+    if not (src / "config.json").is_file():
+        raise ValueError(f"{src}: no config.json (is --src a checkpoint directory?)")
+    if dst.resolve() == src.resolve():
+        raise ValueError("--dst must differ from --src")
+    check_replaceable(dst, force, ValueError)
     config = json.loads((src / "config.json").read_text())
     if "quantization_config" in config:
         raise ValueError(f"{src}/config.json already has a quantization_config")
@@ -98,25 +110,27 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, ignore: list[str] | tu
             out[name], out[f"{module}.weight_scale"] = quantize_weight(t)
         else:
             out[name] = t
-    dst.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
-            shutil.copy2(f, dst / f.name)
-    config["quantization_config"] = quantization_config(sorted(kept))
-    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
+    with staged_output(dst) as tmp:
+        for f in src.iterdir():
+            if f.is_file() and f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
+                shutil.copy2(f, tmp / f.name)
+        config["quantization_config"] = quantization_config(sorted(kept))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        save_file(out, tmp / "model.safetensors", metadata={"format": "pt"})
     return dst
 
 
 def main(argv: list[str] | None = None) -> int:
+    latch_interrupts()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--src", required=True, help="float checkpoint directory")
     p.add_argument("--dst", required=True, help="output directory")
     p.add_argument("--ignore", nargs="*", default=[], help="checkpoint modules to keep in float")
+    p.add_argument("--force", action="store_true", help="replace a non-empty --dst")
     args = p.parse_args(argv)
     try:
-        out = quantize_checkpoint(args.src, args.dst, args.ignore)
-    except ValueError as e:
+        out = quantize_checkpoint(args.src, args.dst, args.ignore, force=args.force)
+    except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {out}")

@@ -14,7 +14,12 @@ one, never a half-written or half-deleted one, whatever kills the process:
   before the new one is renamed into place, and only then deleted, instead of
   being deleted in place (which a kill would leave half-deleted);
 - SIGINT is held back during publishing and cleanup, so Ctrl-C cannot
-  interrupt them halfway; it takes effect right after.
+  interrupt them halfway; it takes effect right after;
+- a tool that calls `latch_interrupts()` first thing in its `main` cannot lose
+  a Ctrl-C: Python drops a KeyboardInterrupt raised inside a finaliser or a
+  weakref callback (it prints "Exception ignored in ..." and runs on), so the
+  handler also remembers the signal, and `staged_output` raises it again before
+  it stages and before it publishes.
 """
 
 import contextlib
@@ -28,11 +33,40 @@ from pathlib import Path
 
 TMP_MARK = ".tmp-"
 
+# SIGINTs received since `latch_interrupts()`; one is enough to stop every later `staged_output`.
+_latched: list[int] = []
+
 
 def temporary_names(out: Path) -> list[Path]:
     """Temporary directories of `out` left beside it (only a SIGKILL leaves any)."""
     out = Path(out)
     return sorted(out.parent.glob(f".{out.name}{TMP_MARK}*"))
+
+
+def check_replaceable(out: Path, force: bool, error: type[Exception] = FileExistsError) -> None:
+    """Refuse, with `error`, an `out` that is not a directory, or a non-empty one without `force`."""
+    if out.exists() and not out.is_dir():
+        raise error(f"{out} exists and is not a directory")
+    if out.exists() and any(out.iterdir()) and not force:
+        raise error(f"{out} exists and is not empty; pass --force to replace it")
+
+
+def _latch(signum, frame):
+    _latched.append(signum)
+    raise KeyboardInterrupt
+
+
+def latch_interrupts() -> None:
+    """Ctrl-C raises KeyboardInterrupt as usual, and is remembered (see the module docstring)."""
+    if threading.current_thread() is threading.main_thread():
+        _latched.clear()
+        signal.signal(signal.SIGINT, _latch)
+
+
+def raise_if_interrupted() -> None:
+    """Raise KeyboardInterrupt if a latched Ctrl-C was swallowed on its way (see the module docstring)."""
+    if _latched:
+        raise KeyboardInterrupt
 
 
 @contextlib.contextmanager
@@ -48,6 +82,8 @@ def sigint_deferred():
     finally:
         signal.signal(signal.SIGINT, previous)
     if pending:
+        if previous is _latch:
+            _latched.extend(pending)
         raise KeyboardInterrupt
 
 
@@ -93,10 +129,12 @@ def publish(tmp: Path, out: Path) -> None:
 def staged_output(out: str | Path):
     """Yield a fresh temporary directory beside `out`; publish it as `out` when the block succeeds."""
     out = Path(out)
+    raise_if_interrupted()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}{TMP_MARK}", dir=out.parent))
     try:
         yield tmp
+        raise_if_interrupted()
         publish(tmp, out)
     finally:
         with sigint_deferred():

@@ -44,10 +44,8 @@ import argparse
 import json
 import math
 import platform
-import shutil
 import sys
 import sysconfig
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +56,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from vllm_hysparse.tools.presets import TOKENIZER_VOCAB
+from vllm_hysparse.tools.staging import check_replaceable, latch_interrupts, staged_output
 from vllm_hysparse.tools.tokenizer import build_hf_tokenizer, corpus_files
 
 HELDOUT_EVERY = 20
@@ -304,10 +303,7 @@ def train(model, tokens: torch.Tensor, *, steps: int, batch: int, seq_len: int, 
 
 
 def check_output_dir(out: Path, force: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise FileExistsError(f"{out} exists and is not a directory")
-    if out.exists() and any(out.iterdir()) and not force:
-        raise FileExistsError(f"{out} exists and is not empty; pass --force to replace it")
+    check_replaceable(out, force)
 
 
 def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
@@ -423,12 +419,8 @@ def run(args: argparse.Namespace) -> tuple[Path, dict]:
     nll_sum, _ = model_nll(model, corpus.heldout_tokens, args.seq_len)
     no_context_sum, _ = no_context_nll(model, corpus.heldout_tokens, args.seq_len)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with staged_output(out) as tmp:  # published only when complete; `out` is never deleted in place
         save_checkpoint(tmp, model, tokenizer, corpus.heldout_text)
-        for path in (tmp, *tmp.iterdir()):  # mkdtemp (0700) and safetensors (0600) would keep it private
-            path.chmod(0o755 if path.is_dir() else 0o644)
         ppl, uni_ppl = perplexity(nll_sum, n_eval), perplexity(uni_sum, n_eval)
         reload_ppl = perplexity(reloaded_nll(tmp, tokenizer, args.seq_len), n_eval)
         if not math.isclose(ppl, reload_ppl, rel_tol=RELOAD_RTOL):
@@ -458,16 +450,11 @@ def run(args: argparse.Namespace) -> tuple[Path, dict]:
         }
         (tmp / METRICS_FILE).write_text(json.dumps(metrics, indent=2) + "\n")
         check_output_dir(out, args.force)  # nobody filled it while we trained
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     return out, metrics
 
 
 def main(argv: list[str] | None = None) -> int:
+    latch_interrupts()
     args = build_parser().parse_args(argv)
     threads = torch.get_num_threads()
     try:

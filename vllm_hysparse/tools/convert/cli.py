@@ -16,6 +16,7 @@ from vllm_hysparse.tools.checkpoint_io import parse_size
 from vllm_hysparse.tools.convert.conversion import describe, plan_conversion
 from vllm_hysparse.tools.convert.plan import CONFIG_CLASSES, plan_options, read_plan
 from vllm_hysparse.tools.convert.write import convert
+from vllm_hysparse.tools.staging import latch_interrupts
 
 
 def calibrator(src: str, text_path: str, tokens: int, max_shard_size: str):
@@ -95,6 +96,7 @@ def _dense_source(src: str, dst: Path):
 
 def main(argv: list[str] | None = None, *, prog: str | None = None) -> int:
     """The command line; `prog` names the command in `--help` (default: the script's file name)."""
+    latch_interrupts()
     args = build_parser(prog).parse_args(argv)
     try:
         # The plan file is checked before a GGUF source is imported; its layers once the source is known.

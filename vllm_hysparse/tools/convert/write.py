@@ -18,7 +18,7 @@ from vllm_hysparse.tools.checkpoint_io import ShardWriter
 from vllm_hysparse.tools.convert.conversion import Conversion
 from vllm_hysparse.tools.convert.identity import verify
 from vllm_hysparse.tools.convert.rename import init_tensor
-from vllm_hysparse.tools.staging import staged_output
+from vllm_hysparse.tools.staging import check_replaceable, staged_output
 
 COPIED_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
                 "*.tiktoken", "chat_template*", "generation_config.json")
@@ -73,10 +73,7 @@ def convert(conv: Conversion, dst: str | Path, *, force: bool = False, max_shard
 def _check_destination(src: Path, dst: Path, force: bool) -> None:
     if dst.resolve() == src.resolve():
         raise ValueError("--dst must differ from --src")
-    if dst.exists() and not dst.is_dir():
-        raise ValueError(f"{dst} exists and is not a directory")
-    if dst.exists() and any(dst.iterdir()) and not force:
-        raise ValueError(f"{dst} exists and is not empty; pass --force to replace it")
+    check_replaceable(dst, force, ValueError)
 
 
 def check_written(config: HySparseBaseConfig, out: Path) -> None:
