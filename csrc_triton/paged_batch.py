@@ -12,6 +12,7 @@ read of `query_start_loc` and `seq_lens`; fine for tests, not for serving).
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from csrc_triton import cpu_ext
@@ -64,32 +65,35 @@ class BatchPlan:
 
 def make_plan(query_start_loc_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor, num_tokens: int,
               device: torch.device) -> BatchPlan:
-    """Host tensors `[R + 1]` and `[R]` of a step -> its plan, with device tensors on `device`."""
-    starts, lens = query_start_loc_cpu.tolist(), seq_lens_cpu.tolist()
-    num_tokens = min(num_tokens, starts[-1]) if starts else 0
-    row_pos, row_req, decodes, prefills = [], [], [], []
-    for r, seq_len in enumerate(lens):
-        start, end = starts[r], min(starts[r + 1], num_tokens)
-        if end <= start:
-            continue
-        row_pos.append(torch.arange(seq_len - (end - start), seq_len))
-        row_req.append(torch.full((end - start,), r))
-        if end - start == 1:
-            decodes.append((start, r, seq_len))
-        else:
-            prefills.append(PrefillRun(r, start, end, seq_len))
-    dec = torch.tensor(decodes, dtype=torch.long).view(-1, 3)
-    pos = torch.cat(row_pos) if row_pos else torch.zeros(0, dtype=torch.long)
-    req = torch.cat(row_req) if row_req else torch.zeros(0, dtype=torch.long)
+    """Host tensors `[R + 1]` and `[R]` of a step -> its plan, with device tensors on `device`.
+
+    In numpy, whole-batch: a loop of tensor ops per request cost 0.15 ms a step for eight decode rows.
+    """
+    starts = query_start_loc_cpu.numpy().astype(np.int64)
+    lens = seq_lens_cpu.numpy().astype(np.int64)
+    num_tokens = min(num_tokens, int(starts[-1])) if len(starts) else 0
+    begin = starts[:-1]
+    rows = np.maximum(np.minimum(starts[1:], num_tokens) - begin, 0)  # each request's rows in this step
+    req = np.repeat(np.arange(len(rows)), rows)
+    # a request's rows are the last of its positions: row i of request r sits at lens[r] - rows[r] + (i - its first)
+    first_row = np.cumsum(rows) - rows
+    pos = lens[req] - rows[req] + np.arange(len(req)) - first_row[req]
+    dec = np.flatnonzero(rows == 1)
+    prefills = tuple(PrefillRun(int(r), int(begin[r]), int(begin[r] + rows[r]), int(lens[r]))
+                     for r in np.flatnonzero(rows > 1))
+
+    def on_device(x: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64)).to(device, non_blocking=True)
+
     return BatchPlan(
         num_tokens=num_tokens,
-        row_pos=pos.to(device, non_blocking=True),
-        row_req=req.to(device, non_blocking=True),
-        decode_rows=dec[:, 0].to(device, non_blocking=True),
-        decode_reqs=dec[:, 1].to(device, non_blocking=True),
-        decode_lens=dec[:, 2].to(device, non_blocking=True),
-        max_decode_len=int(dec[:, 2].max()) if len(decodes) else 0,
-        prefills=tuple(prefills),
+        row_pos=on_device(pos),
+        row_req=on_device(req),
+        decode_rows=on_device(begin[dec]),
+        decode_reqs=on_device(dec),
+        decode_lens=on_device(lens[dec]),
+        max_decode_len=int(lens[dec].max()) if len(dec) else 0,
+        prefills=prefills,
     )
 
 

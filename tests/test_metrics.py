@@ -1,10 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Pages-per-query counting against an explicit loop over the selected positions, and the device accumulator."""
+"""Pages-per-query counting against an explicit loop over the selected positions, and the device accumulator.
+
+Both counters are checked: the PyTorch `pages_touched` and the C++ `add_pages_touched` that the CPU serving path
+runs (`csrc_triton/cpu_sparse.cpp`; CI builds the C++ kernels, so it must be there).
+"""
+
+import os
 
 import pytest
 import torch
 
+from vllm_hysparse import metrics
 from vllm_hysparse.metrics import PagesPerQueryStats, pages_touched
+
+SEED = int(os.environ.get("HYSPARSE_TEST_SEED", "0"))
 
 
 def pages_by_loop(ids, positions, block_size, page_size):
@@ -33,15 +42,51 @@ def random_selection(n, g, k, block_size, seed):
     return ids, positions
 
 
-@pytest.mark.parametrize("block_size,page_size", [(16, 16), (16, 32), (64, 16), (48, 32), (1, 16), (1, 1), (32, 48)])
+def with_invisible(ids, positions, block_size, seed):
+    """Some rows' last selected entry moved past the row's position (a prefill chunk's later rows select blocks
+    an earlier row cannot see): skipped by both counters, and the entry after it starts a new run."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = ids.clone()
+    for i in range(ids.shape[0]):
+        beyond = int(positions[i]) // block_size + 1 + int(torch.randint(0, 3, (), generator=gen))
+        h = int(torch.randint(0, ids.shape[1], (), generator=gen))
+        free = (ids[i, h] < 0).nonzero()
+        if len(free) and torch.rand((), generator=gen) < 0.5:
+            ids[i, h, int(free[0])] = beyond
+    return ids
+
+
+CASES = [(16, 16), (16, 32), (64, 16), (48, 32), (1, 16), (1, 1), (32, 48)]
+
+
+@pytest.mark.parametrize("block_size,page_size", CASES)
 def test_pages_touched_matches_loop(block_size, page_size):
-    ids, positions = random_selection(60, 3, 5, block_size, seed=block_size * 7 + page_size)
+    ids, positions = random_selection(60, 3, 5, block_size, seed=SEED + block_size * 7 + page_size)
+    ids = with_invisible(ids, positions, block_size, seed=SEED + page_size)
     got = pages_touched(ids, positions, block_size, page_size)
     assert torch.equal(got, pages_by_loop(ids, positions, block_size, page_size))
 
 
-def test_stats_accumulate_on_the_device_and_can_be_switched_off(monkeypatch):
-    ids, positions = random_selection(20, 2, 4, 16, seed=3)
+@pytest.mark.parametrize("block_size,page_size", CASES)
+def test_cpu_counter_matches_loop(block_size, page_size):
+    print(f"seed {SEED}")
+    ids, positions = random_selection(60, 3, 5, block_size, seed=SEED + block_size * 7 + page_size + 1)
+    ids = with_invisible(ids, positions, block_size, seed=SEED + page_size + 1)
+    counter = metrics._cpu_counter(ids, positions)
+    assert counter is not None, "the C++ counter is not built (csrc_triton/cpu_sparse.cpp)"
+    totals = torch.tensor([7, 11, 13], dtype=torch.long)  # added to, not overwritten
+    counter(ids, positions, block_size, page_size, totals)
+    want = pages_by_loop(ids, positions, block_size, page_size)
+    dense = int((positions // page_size + 1).sum()) * ids.shape[1]
+    assert totals.tolist() == [7 + want.numel(), 11 + int(want.sum()), 13 + dense]
+    assert int(want.sum()) > 0 and (want == 0).any()  # the draw has selections and empty rows
+
+
+@pytest.mark.parametrize("counter", ["cpp", "torch"])
+def test_stats_accumulate_on_the_device_and_can_be_switched_off(monkeypatch, counter):
+    if counter == "torch":
+        monkeypatch.setattr(metrics, "_cpu_counter", lambda ids, positions: None)
+    ids, positions = random_selection(20, 2, 4, 16, seed=SEED + 3)
     monkeypatch.delenv("HYSPARSE_METRICS_DIR", raising=False)
     stats = PagesPerQueryStats()
     stats.add(ids, positions, 16, 32)

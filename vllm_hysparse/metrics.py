@@ -76,6 +76,17 @@ def pages_touched(ids: torch.Tensor, positions: torch.Tensor, block_size: int, p
     return pages - shared.sum(-1)
 
 
+def _cpu_counter(ids: torch.Tensor, positions: torch.Tensor):
+    """The C++ twin of `pages_touched` plus the sums (`csrc_triton/cpu_sparse.cpp`, `add_pages_touched`) where it
+    applies: CPU tensors, int32 ids, int64 positions and the C++ kernels built; else None."""
+    if ids.device.type != "cpu" or ids.dtype != torch.int32 or positions.dtype != torch.long:
+        return None
+    from csrc_triton import cpu_ext
+
+    ext = cpu_ext.load("sparse")
+    return None if ext is None else ext.add_pages_touched
+
+
 class PagesPerQueryStats:
     """Worker-side accumulator; `add` is called by the oracle attention roles each step.
 
@@ -102,12 +113,15 @@ class PagesPerQueryStats:
         """One oracle layer's selections `ids [N, G, K]` of queries at `positions [N]`."""
         if not self.enabled:
             return
-        pages = pages_touched(ids, positions, block_size, page_size)
-        dense = (positions.long() // page_size + 1).sum() * ids.shape[1]  # every page up to t, per group
-        step = torch.stack([pages.new_full((), pages.numel()), pages.sum(), dense])
         if self._totals is None:
             self._totals = torch.zeros(len(FIELDS), dtype=torch.long, device=ids.device)
-        self._totals.add_(step)
+        counter = _cpu_counter(ids, positions)
+        if counter is not None:  # one C++ call on the CPU serving path
+            counter(ids, positions, block_size, page_size, self._totals)
+        else:
+            pages = pages_touched(ids, positions, block_size, page_size)
+            dense = (positions.long() // page_size + 1).sum() * ids.shape[1]  # every page up to t, per group
+            self._totals.add_(torch.stack([pages.new_full((), pages.numel()), pages.sum(), dense]))
         self._dirty = True
 
     def set_pic(self, values: dict[str, int], flush: bool = False) -> None:

@@ -1,11 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
 """Paged-cache writes and the batch plan / gathers, against explicit per-token loops."""
 
+import itertools
+import os
+import random
+
+import pytest
 import torch
 
-from csrc_triton.paged_batch import gather_context, gather_request, gather_rows, make_plan
 from csrc_triton.paged_args import FP8_KV_DTYPE
+from csrc_triton.paged_batch import gather_context, gather_request, gather_rows, make_plan
 from vllm_hysparse.attention.paged import FP8_MAX, split_kv_cache, write_kv
+
+SEED = int(os.environ.get("HYSPARSE_TEST_SEED", "0"))
 
 
 def test_write_kv_stores_every_valid_slot_and_skips_padding():
@@ -55,13 +62,48 @@ def test_write_kv_quantises_into_an_fp8_cache():
     assert key_cache[2, :, 0].float().isnan().all()
 
 
+def plan_by_loop(q_lens: list[int], seq_lens: list[int], num_tokens: int) -> dict:
+    """Every row of every request, one at a time: its position, request, and the decode / prefill split. A request's
+    rows in the step are the last of its `seq_len` positions (also when `num_tokens` cuts them short)."""
+    rows, start = [], 0
+    for r, (q, s) in enumerate(zip(q_lens, seq_lens)):
+        kept = [start + i for i in range(q) if start + i < num_tokens]
+        rows += [(row, r, s - len(kept) + i) for i, row in enumerate(kept)]
+        start += q
+    per_req = {r: [x for x in rows if x[1] == r] for r in range(len(q_lens))}
+    return {"pos": [x[2] for x in rows], "req": [x[1] for x in rows],
+            "decodes": [(v[0][0], r, seq_lens[r]) for r, v in per_req.items() if len(v) == 1],
+            "prefills": [(r, v[0][0], v[-1][0] + 1, v[0][2]) for r, v in per_req.items() if len(v) > 1]}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_plan_matches_a_loop_over_rows(seed):
+    """Random steps, with requests of no rows this step and a row budget that cuts the last ones short."""
+    rng = random.Random(1000 * SEED + seed)
+    print(f"seed {SEED}, case {seed}")
+    for _ in range(200):
+        q_lens = [rng.choice([0, 1, 1, 1, 2, 7]) for _ in range(rng.randint(0, 9))]
+        seq_lens = [q + rng.randint(0, 50) for q in q_lens]
+        qsl = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+        num_tokens = rng.randint(0, sum(q_lens) + 3)
+        plan = make_plan(qsl, torch.tensor(seq_lens, dtype=torch.int32), num_tokens, torch.device("cpu"))
+        want = plan_by_loop(q_lens, seq_lens, num_tokens)
+        got_decodes = list(zip(plan.decode_rows.tolist(), plan.decode_reqs.tolist(), plan.decode_lens.tolist()))
+        assert plan.num_tokens == len(want["pos"]), (q_lens, seq_lens, num_tokens)
+        assert plan.row_pos.tolist() == want["pos"] and plan.row_req.tolist() == want["req"], (q_lens, num_tokens)
+        assert got_decodes == want["decodes"], (q_lens, seq_lens, num_tokens)
+        assert plan.max_decode_len == max((d[2] for d in want["decodes"]), default=0)
+        assert [(p.req, p.start, p.end, p.first_pos) for p in plan.prefills] == want["prefills"]
+        assert all(t.dtype == torch.long for t in (plan.row_pos, plan.row_req, plan.decode_rows))
+
+
 def test_plan_and_gathers_match_loops():
     gen = torch.Generator().manual_seed(1)
     page, groups, dim = 4, 2, 3
     q_lens, seq_lens = [3, 1, 0, 1, 5], [7, 9, 4, 1, 5]
     cache = torch.randn(30, groups, page, dim, generator=gen)
     block_table = torch.randperm(30, generator=gen)[:5 * 3].view(5, 3).to(torch.int32)
-    qsl = torch.tensor([0, 3, 4, 4, 5, 10], dtype=torch.int32)
+    qsl = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)  # [0, 3, 4, 4, 5, 10]
     plan = make_plan(qsl, torch.tensor(seq_lens, dtype=torch.int32), 12, torch.device("cpu"))
     assert plan.num_tokens == 10
     assert plan.row_pos.tolist() == [4, 5, 6, 8, 0, 0, 1, 2, 3, 4]
