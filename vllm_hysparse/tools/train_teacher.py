@@ -302,10 +302,6 @@ def train(model, tokens: torch.Tensor, *, steps: int, batch: int, seq_len: int, 
 # ----------------------------------------------------------------------------- driver
 
 
-def check_output_dir(out: Path, force: bool) -> None:
-    check_replaceable(out, force)
-
-
 def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
     """Fill unset options from the size and validate them (ValueError names the option)."""
     for key in ("steps", "batch", "seq_len", "lr", "warmup", "time_budget_s", "corpus_bytes", "heldout_bytes"):
@@ -400,7 +396,7 @@ def run(args: argparse.Namespace) -> tuple[Path, dict]:
     """Prepare data, train, evaluate, save and verify, for `resolve_args` output; returns (out, metrics)."""
     t0 = time.monotonic()
     out = Path(args.out)
-    check_output_dir(out, args.force)
+    check_replaceable(out, args.force)
     tokenizer = build_hf_tokenizer(TOKENIZER_VOCAB)
     config = build_config(args.size, tokenizer)
     corpus = prepare_corpus(tokenizer, args.corpus_bytes, args.heldout_bytes, args.seq_len)
@@ -449,7 +445,7 @@ def run(args: argparse.Namespace) -> tuple[Path, dict]:
             "seconds_total": round(time.monotonic() - t0, 2),
         }
         (tmp / METRICS_FILE).write_text(json.dumps(metrics, indent=2) + "\n")
-        check_output_dir(out, args.force)  # nobody filled it while we trained
+        check_replaceable(out, args.force)  # nobody filled it while we trained
     return out, metrics
 
 
