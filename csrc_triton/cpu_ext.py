@@ -25,7 +25,7 @@ _SOURCES = {"oracle_decode": Path(__file__).parent / "oracle" / "cpu_decode.cpp"
             "token_select": Path(__file__).parent / "token_oracle" / "cpu_select.cpp"}
 # The ops each library registers under its own namespace (`torch.ops.<module name>`).
 _OPS = {"oracle_decode": ("paged_decode",), "oracle_tiled": ("oracle_tiled", "oracle_tiled_reduced"),
-        "sparse": ("paged_sparse", "add_pages_touched"),
+        "sparse": ("paged_sparse", "add_pages_touched", "write_pages"),
         "token_select": ("token_select", "token_select_probs")}
 NAMES = tuple(_SOURCES)
 # -ffast-math lets GCC call glibc's vector expf; -fno-finite-math-only keeps the -inf masks exact.

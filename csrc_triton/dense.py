@@ -14,7 +14,7 @@ the token oracle's kernel with an empty top-k and a one-token window.
 
 import torch
 
-from csrc_triton.oracle.batched import oracle_attention_batched
+from csrc_triton.oracle.batched import bind_oracle, oracle_attention_batched
 from csrc_triton.paged_args import kv_scaled
 from csrc_triton.paged_batch import BatchPlan
 
@@ -33,6 +33,22 @@ def dense_attention_batched(q, k_cache, v_cache, block_table, query_start_loc, s
     """
     return oracle_attention_batched(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale=scale,
                                     sparse_block_size=ONE_BLOCK, topk=0, out=out, plan=plan)[0]
+
+
+def bind_dense(q, k_cache, v_cache, *, scale):
+    """The C++ kernel of `dense_attention_batched` bound to one layer (`oracle.batched.bind_oracle`), or None.
+
+    Returns `run(q [n, H, D], block_table, plan, out [n, H, Dv], ids=None)`.
+    """
+    run = bind_oracle(q, k_cache, v_cache, sparse_block_size=ONE_BLOCK, topk=0, scale=scale)
+    if run is None:
+        return None
+    groups = k_cache.shape[1]
+
+    def dense_run(q, block_table, plan, out, ids=None):
+        run(q, block_table, plan, out, torch.empty(q.shape[0], groups, 0, dtype=torch.int32))
+
+    return dense_run
 
 
 @kv_scaled

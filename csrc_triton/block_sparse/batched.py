@@ -8,7 +8,7 @@ prefill run attends its own keys under the block mask (see `paged_batch`).
 import torch
 
 from csrc_triton.paged_args import kv_scaled
-from csrc_triton.paged_batch import BatchPlan, sparse_attention
+from csrc_triton.paged_batch import BatchPlan, bind_sparse, sparse_attention
 
 
 def block_positions(blocks: torch.Tensor, pos: torch.Tensor, block_size: int):
@@ -44,3 +44,8 @@ def block_sparse_attention_batched(q, k_cache, v_cache, block_table, query_start
     return sparse_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale=scale, sinks=sinks,
                             out=out, plan=plan, ids=block_indices, span=sparse_block_size, select=select,
                             mask=mask)
+
+
+def bind_block_sparse(q, k_cache, v_cache, *, scale, sparse_block_size, sinks=None):
+    """The C++ kernel of `block_sparse_attention_batched` bound to one layer (`paged_batch.bind_sparse`), or None."""
+    return bind_sparse(q, k_cache, v_cache, span=sparse_block_size, scale=scale, sinks=sinks)

@@ -54,6 +54,33 @@ def tiled_kernel(q, k_cache, v_cache):
     return ext, base
 
 
+def bind_oracle(q, k_cache, v_cache, *, sparse_block_size: int, topk: int, scale: float):
+    """The C++ tiled oracle bound to one layer's pages, block size, top-k and scale; None where it does not apply
+    (`tiled_kernel`). Returns `run(q [n, H, D], block_table, plan, out [n, H, Dv], indices [n, G, topk] int32,
+    scores=None)` for the `n = plan.num_tokens` rows of a step, writing out and indices in place (scores: the
+    tests' `[n, G, NB]` Eq. 3 scores, or None).
+    The serving path binds it once per layer and cache (see `paged_batch.bind_sparse`).
+    """
+    tiled = tiled_kernel(q, k_cache, v_cache)
+    if tiled is None:
+        return None
+    ext, pages = tiled
+    no_scores = torch.zeros(0, k_cache.shape[1], 0)
+
+    def run(q, block_table, plan, out, indices, scores=None):
+        rows = q if q.stride(1) == q.shape[2] and q.stride(2) == 1 else q.contiguous()
+        o = out if out.is_contiguous() else torch.empty_like(out)
+        ids = indices if indices.stride()[1:] == (topk, 1) else torch.empty_like(indices)
+        ext.oracle_tiled(rows, pages, block_table, plan.row_req, plan.row_pos, sparse_block_size, topk, scale, o, ids,
+                         no_scores if scores is None else scores, NO_LOGITS, NO_LOGITS)
+        if o.data_ptr() != out.data_ptr():
+            out.copy_(o)
+        if ids.data_ptr() != indices.data_ptr():
+            indices.copy_(ids)
+
+    return run
+
+
 @kv_scaled
 def oracle_attention_batched(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, *, scale,
                              sparse_block_size, topk, out=None, plan: BatchPlan | None = None,
@@ -75,20 +102,11 @@ def oracle_attention_batched(q, k_cache, v_cache, block_table, query_start_loc, 
     n = plan.num_tokens
     out[n:].zero_()
     indices[n:].fill_(-1)
-    tiled = tiled_kernel(q, k_cache, v_cache)
-    if tiled is not None:
-        ext, base = tiled
-        rows = q[:n] if q.stride(1) == q.shape[2] and q.stride(2) == 1 else q[:n].contiguous()
-        o = out[:n] if out.is_contiguous() else torch.empty_like(out[:n])
-        ids = indices[:n] if indices[:n].stride()[1:] == (topk, 1) else torch.empty_like(indices[:n])
+    run = bind_oracle(q, k_cache, v_cache, sparse_block_size=sparse_block_size, topk=topk, scale=scale)
+    if run is not None:
         num_scores = -(-int(seq_lens.max()) // sparse_block_size) if return_block_scores and n else 0
         scores = torch.zeros(q.shape[0] if num_scores else 0, k_cache.shape[1], num_scores)
-        ext.oracle_tiled(rows, base, block_table, plan.row_req, plan.row_pos, sparse_block_size, topk, scale, o, ids,
-                         scores[:n], NO_LOGITS, NO_LOGITS)
-        if o.data_ptr() != out.data_ptr():
-            out[:n] = o
-        if ids.data_ptr() != indices.data_ptr():
-            indices[:n] = ids
+        run(q[:n], block_table, plan, out[:n], indices[:n], scores[:n])
         return (out, indices, scores) if return_block_scores else (out, indices)
     assert not return_block_scores, "block scores are returned by the C++ tiled kernel only"
 

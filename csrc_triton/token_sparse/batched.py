@@ -8,7 +8,7 @@ run attends its own keys under the token mask (see `paged_batch`).
 import torch
 
 from csrc_triton.paged_args import kv_scaled
-from csrc_triton.paged_batch import BatchPlan, sparse_attention
+from csrc_triton.paged_batch import BatchPlan, bind_sparse, sparse_attention
 
 
 def token_positions(tokens: torch.Tensor, pos: torch.Tensor):
@@ -38,3 +38,8 @@ def token_sparse_attention_batched(q, k_cache, v_cache, block_table, query_start
 
     return sparse_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale=scale, sinks=sinks,
                             out=out, plan=plan, ids=token_indices, span=1, select=select, mask=mask)
+
+
+def bind_token_sparse(q, k_cache, v_cache, *, scale, sinks=None):
+    """The C++ kernel of `token_sparse_attention_batched` bound to one layer (`paged_batch.bind_sparse`), or None."""
+    return bind_sparse(q, k_cache, v_cache, span=1, scale=scale, sinks=sinks)

@@ -8,21 +8,23 @@ import random
 import pytest
 import torch
 
+from csrc_triton import cpu_ext
 from csrc_triton.paged_args import FP8_KV_DTYPE
 from csrc_triton.paged_batch import gather_context, gather_request, gather_rows, make_plan
-from vllm_hysparse.attention.paged import FP8_MAX, split_kv_cache, write_kv
+from vllm_hysparse.attention.paged import FP8_MAX, split_kv_cache, write_kv, write_kv_torch
 
 SEED = int(os.environ.get("HYSPARSE_TEST_SEED", "0"))
 
 
-def test_write_kv_stores_every_valid_slot_and_skips_padding():
+@pytest.mark.parametrize("write", [write_kv, write_kv_torch], ids=["cpp", "torch"])
+def test_write_kv_stores_every_valid_slot_and_skips_padding(write):
     gen = torch.Generator().manual_seed(0)
     pages, groups, page, dim = 6, 2, 4, 8
     kv = torch.full((pages, groups, page, 2 * dim), float("nan"))
     key_cache, value_cache = split_kv_cache(kv, dim)
     slots = torch.tensor([5, 9, -1, 23, 13, -1, 14])  # block 0 is the null block: never a real slot
     key, value = torch.randn(7, groups, dim, generator=gen), torch.randn(7, groups, dim, generator=gen)
-    write_kv(key_cache, value_cache, key, value, slots)
+    write(key_cache, value_cache, key, value, slots)
     for i, s in enumerate(slots.tolist()):
         if s >= 0:
             assert torch.equal(key_cache[s // page, :, s % page], key[i])
@@ -31,6 +33,38 @@ def test_write_kv_stores_every_valid_slot_and_skips_padding():
     for s in range(pages * page):
         if s not in written:
             assert key_cache[s // page, :, s % page].isnan().all(), s
+
+
+@pytest.mark.parametrize("groups,dim,page", [(2, 64, 16), (1, 32, 8), (4, 48, 128)])
+def test_write_kv_cpp_matches_torch_twin(groups, dim, page):
+    """The C++ write (float32 pages) against the PyTorch twin: same values at every valid slot, from key / value
+    views of one fused projection (strided rows, as the models pass them); the C++ write skips padding slots,
+    where the twin writes vLLM's null block 0; a slot past the cache is refused before anything is written."""
+    assert cpu_ext.load("sparse") is not None, "the C++ CPU kernel must build here (see csrc_triton/cpu_ext.py)"
+    print(f"seed {SEED}")
+    gen = torch.Generator().manual_seed(SEED)
+    pages, tokens = 7, 40
+    fused = torch.randn(tokens + 3, 3 * groups * dim, generator=gen)  # q | k | v of 3 more (padding) rows
+    key = fused[:, groups * dim:2 * groups * dim].view(-1, groups, dim)
+    value = fused[:, 2 * groups * dim:].view(-1, groups, dim)
+    slots = torch.randperm((pages - 1) * page, generator=gen)[:tokens] + page  # distinct, none in block 0
+    slots[torch.rand(tokens, generator=gen) < 0.2] = -1
+    caches = []
+    for write in (write_kv, write_kv_torch):
+        kv = torch.full((pages, groups, page, 2 * dim), float("nan"))
+        write(*split_kv_cache(kv, dim), key, value, slots)
+        caches.append(kv)
+    cpp, twin = caches
+    assert torch.equal(cpp[1:].nan_to_num(7.0), twin[1:].nan_to_num(7.0)), "pages 1.. differ"
+    assert cpp[0].isnan().all(), "padding rows must not be written"
+    valid = int((slots >= 0).sum())
+    assert int((~cpp.isnan()).all(-1).sum()) == valid * groups, "written (slot, group) pairs"
+    before = cpp.clone()
+    bad = slots.clone()
+    bad[-1] = pages * page
+    with pytest.raises(RuntimeError, match="past the cache"):
+        write_kv(*split_kv_cache(cpp, dim), key + 1, value + 1, bad)
+    assert torch.equal(cpp.nan_to_num(7.0), before.nan_to_num(7.0)), "a refused write changed the cache"
 
 
 def test_write_kv_quantises_into_an_fp8_cache():

@@ -3,7 +3,7 @@
 
 import torch
 
-from tests.kernel_utils import DEVICE, Case, make_case_inputs
+from tests.kernel_utils import DEVICE, Case, make_case_inputs, random_blocks  # noqa: F401 (the cases' ids)
 
 CASES = [
     # prefill, chunked prefill and decode rows in one batch; lengths around block and page ends
@@ -29,27 +29,6 @@ V_CASES = [
 
 def make_inputs(case: Case, dtype, seed=0):
     return make_case_inputs(case, dtype, seed, sinks=True)
-
-
-def random_blocks(batch, num_kv_heads, block_size, topk, seed=0):
-    """`[T, G, topk]` int32: per row and group a random subset of the blocks up to the query, ascending, -1 padded.
-
-    Rows also pick, at random, blocks after the query but inside the sequence: the kernel must mask them.
-    """
-    g = torch.Generator().manual_seed(seed + 2)
-    ids = torch.full((batch.num_tokens, num_kv_heads, topk), -1, dtype=torch.int32)
-    seq_of_row = [s for q_len, s in zip(batch.q_lens, batch.seq_lens) for _ in range(q_len)]
-    for t, pos in enumerate(batch.positions()):
-        if pos < 0:
-            continue
-        num_blocks = pos // block_size + 1
-        if torch.rand((), generator=g) < 0.2:
-            num_blocks = -(-seq_of_row[t] // block_size)
-        for h in range(num_kv_heads):
-            n = int(torch.randint(0, min(topk, num_blocks) + 1, (), generator=g))
-            chosen = torch.randperm(num_blocks, generator=g)[:n].sort().values
-            ids[t, h, :n] = chosen.to(torch.int32)
-    return ids.to(DEVICE)
 
 
 def all_blocks(batch, num_kv_heads, block_size):
