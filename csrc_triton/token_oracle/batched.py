@@ -120,6 +120,24 @@ def token_oracle_attention_batched(q, k_cache, v_cache, block_table, query_start
     return out, indices
 
 
+def bind_token_oracle(q, k_cache, v_cache, *, scale, topk_tokens, recent_window, score_head_reduce="max"):
+    """The C++ kernels of `token_oracle_attention_batched` bound to one layer's pages and selection (see
+    `paged_batch.bind_sparse`), or None where they do not apply. Returns `run(q [n, H, D], block_table, plan,
+    out [n, H, Dv], ids [n, G, topk_tokens + recent_window] int32)`, writing out and every row of ids in place.
+    """
+    if score_head_reduce not in REDUCES:
+        raise ValueError(f"score_head_reduce: must be 'max' or 'sum' (got {score_head_reduce!r})")
+    kernels = cpu_kernels(q, k_cache, v_cache)
+    if kernels is None:
+        return None
+
+    def run(q, block_table, plan, out, ids):
+        run_cpu_kernels(q, *kernels, block_table, plan, out, ids, scale=scale, topk_tokens=topk_tokens,
+                        recent_window=recent_window, reduce=score_head_reduce)
+
+    return run
+
+
 # Logits (decode) or R (prefill) the C++ path holds at once, in floats: bounds the rows of a chunk (128 MB; 341
 # decode rows of 12 heads at 8k, 4,096 prefill rows of one group).
 LOGIT_BUDGET = 2 * ELEMENT_BUDGET

@@ -16,6 +16,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from csrc_triton.block_sparse import block_sparse_attention_naive
 from csrc_triton.oracle import oracle_attention_naive
+from csrc_triton.token_oracle.batched import token_oracle_attention_batched
 from csrc_triton.token_sparse import token_sparse_attention_naive
 from tests.kernel_utils import Case, dense_causal, make_case_inputs, random_blocks
 from vllm_hysparse.attention.backend import (
@@ -23,6 +24,7 @@ from vllm_hysparse.attention.backend import (
     HySparseAttentionBackend,
     HySparseAttentionImpl,
     HySparseMetadata,
+    TokenSelection,
     WindowSelection,
     make_plan,
     window_positions,
@@ -90,6 +92,25 @@ def test_oracle_forward(inputs):
     n = sum(batch.q_lens)
     assert torch.equal(buffer[:n], ref_ids[:n]), "the followers' block ids"
     assert (buffer[n:batch.num_tokens] == -1).all() and (buffer[batch.num_tokens:] == 7).all()
+
+
+@pytest.mark.parametrize("reduce", ["max", "sum"])
+def test_token_oracle_forward(inputs, reduce):
+    """HySparse2's oracle: its output is plain causal attention (the float64 reference); its selection, written
+    straight into the index buffer by the bound kernels, equals the batched twin's (tested against the naive twin
+    in tests/kernels), and padding rows get -1."""
+    batch, q, _ = inputs
+    topk, window = 9, 5
+    buffer = torch.full((batch.num_tokens + 3, CASE.num_kv_heads, topk + window), 7, dtype=torch.int32)
+    layer = impl("token_oracle", buffer, TokenSelection(topk, window, reduce))
+    out = run_forward(layer, batch, q)
+    assert_rows(out, dense_causal(batch, q, CASE.head_dim**-0.5, None), batch)
+    _, ref_ids = token_oracle_attention_batched(*batch.args(q), scale=CASE.head_dim**-0.5, topk_tokens=topk,
+                                                recent_window=window, score_head_reduce=reduce)
+    n = sum(batch.q_lens)
+    assert torch.equal(buffer[:n], ref_ids[:n])
+    assert (buffer[:n] >= 0).sum() > 0 and (buffer[n:batch.num_tokens] == -1).all()
+    assert (buffer[batch.num_tokens:] == 7).all()
 
 
 def test_block_sparse_forward(inputs):

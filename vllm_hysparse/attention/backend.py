@@ -265,7 +265,7 @@ ROLE_TABLE: dict[str, Role | None] = {
                  "torch": "csrc_triton.token_oracle.batched:token_oracle_attention_batched"},
         kwargs=lambda impl: dict(topk_tokens=impl.selection.topk, recent_window=impl.selection.window,
                                  score_head_reduce=impl.selection.reduce),
-        publishes=True, bounded_by_seq_len=True),
+        publishes=True, bounded_by_seq_len=True, cpu_bind="csrc_triton.token_oracle.batched:bind_token_oracle"),
     "block_sparse": Role(
         kernels={"triton": "csrc_triton.block_sparse.kernel:block_sparse_attention",
                  "torch": "csrc_triton.block_sparse.batched:block_sparse_attention_batched"},
