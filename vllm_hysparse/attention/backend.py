@@ -378,7 +378,10 @@ class HySparseAttentionImpl(AttentionImpl):
         """The role's C++ kernel bound to `kv_cache` (`Role.cpu_bind`), or None; bound on the first call.
 
         vLLM hands a layer the same cache tensor every step, so the binding is
-        looked up by identity: a new cache (a reallocation) binds again.
+        looked up by identity: a new cache (a reallocation) binds again. The
+        binding holds a view of the cache; only the CPU path binds, and vLLM's
+        CPU worker never frees a cache while it runs (no sleep mode there:
+        vllm/v1/worker/cpu_worker.py, `sleep`).
         """
         if self._bound is None or self._bound[0] is not kv_cache:
             spec = ROLE_TABLE[self.role].cpu_bind
