@@ -411,7 +411,7 @@ class HySparseAttentionImpl(AttentionImpl):
         role = ROLE_TABLE[self.role]
         meta = attn_metadata
         n = meta.num_actual_tokens
-        run = self._bound_kernel(query, kv_cache) if path == "torch" else None
+        run = self._bound_kernel(query, kv_cache) if path == "torch" and query.device.type == "cpu" else None
         if run is not None:  # the CPU serving path: one C++ call, no per-call checks
             rows = meta.plan.num_tokens
             ids = self.index_buffer[:rows] if role.publishes else self._selection(meta, rows)
