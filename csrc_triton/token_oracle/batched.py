@@ -107,10 +107,10 @@ def token_oracle_attention_batched(q, k_cache, v_cache, block_table, query_start
     indices = torch.full((q.shape[0], k_cache.shape[1], width), -1, dtype=torch.int32, device=q.device)
     out[plan.num_tokens:].zero_()
 
-    kernels = cpu_kernels(q, k_cache, v_cache)
-    if kernels is not None:
-        run_cpu_kernels(q, *kernels, block_table, plan, out, indices, scale=scale, topk_tokens=topk_tokens,
-                        recent_window=recent_window, reduce=score_head_reduce)
+    run = bind_token_oracle(q, k_cache, v_cache, scale=scale, topk_tokens=topk_tokens, recent_window=recent_window,
+                            score_head_reduce=score_head_reduce)
+    if run is not None:
+        run(q, block_table, plan, out, indices)
         return out, indices
 
     def select(z, lse, limit):
@@ -124,9 +124,8 @@ def bind_token_oracle(q, k_cache, v_cache, *, scale, topk_tokens, recent_window,
     """The C++ kernels of `token_oracle_attention_batched` bound to one layer's pages and selection (see
     `paged_batch.bind_sparse`), or None where they do not apply. Returns `run(q [n, H, D], block_table, plan,
     out [n, H, Dv], ids [n, G, topk_tokens + recent_window] int32)`, writing out and every row of ids in place.
+    `score_head_reduce` is one of `REDUCES` (checked by the config and by `token_oracle_attention_batched`).
     """
-    if score_head_reduce not in REDUCES:
-        raise ValueError(f"score_head_reduce: must be 'max' or 'sum' (got {score_head_reduce!r})")
     kernels = cpu_kernels(q, k_cache, v_cache)
     if kernels is None:
         return None
