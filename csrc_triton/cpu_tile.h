@@ -91,11 +91,6 @@ inline v8 hsum8(const v8* a) {
          __builtin_shufflevector(u0, u1, 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
-// Prefetch `n` consecutive floats from p, a 64-byte line at a time.
-inline void prefetch_floats(const float* p, int64_t n) {
-  for (int64_t x = 0; x < n; x += 16) __builtin_prefetch(p + x, 0, 3);
-}
-
 // Scores of 8 keys for one query vector q (NV vectors V in registers): per key a vector of partial sums (eight
 // independent FMA chains), folded to 8 floats, then `hsum8`.
 template <int NV, typename V>
@@ -249,62 +244,36 @@ inline void butterfly(v16& x, v16& y) {
   x = lo, y = hi;
 }
 
-#endif
-
-// The same stage on 8 lanes (an 8 x 8 transpose in AVX2's 16 registers: B = 4, 2, 1).
 template <int B>
-inline void butterfly(v8& x, v8& y) {
-  v8 lo, hi;
-  if constexpr (B == 4) {
-    lo = __builtin_shufflevector(x, y, 0, 1, 2, 3, 8, 9, 10, 11);
-    hi = __builtin_shufflevector(x, y, 4, 5, 6, 7, 12, 13, 14, 15);
-  } else if constexpr (B == 2) {
-    lo = __builtin_shufflevector(x, y, 0, 1, 8, 9, 4, 5, 12, 13);
-    hi = __builtin_shufflevector(x, y, 2, 3, 10, 11, 6, 7, 14, 15);
-  } else {
-    lo = __builtin_shufflevector(x, y, 0, 8, 2, 10, 4, 12, 6, 14);
-    hi = __builtin_shufflevector(x, y, 1, 9, 3, 11, 5, 13, 7, 15);
-  }
-  x = lo, y = hi;
-}
-
-// Stage B over W rows of W lanes (V: v8, or v16 with AVX-512).
-template <int B, typename V>
-inline void butterfly_stage(V* r) {
-  constexpr int W = sizeof(V) / sizeof(float);
-  for (int i = 0; i < W; ++i)
+inline void butterfly_stage(v16* r) {
+  for (int i = 0; i < 16; ++i)
     if ((i & B) == 0) butterfly<B>(r[i], r[i + B]);
 }
-
-// kt [DIM, KT] from W x W blocks through registers: W loads, W log2(W) / 2 shuffle pairs, W stores per block.
-template <int DIM, int64_t KT, typename V>
-inline void transpose_blocks(const float* const* kp, int64_t count, float* kt) {
-  constexpr int W = sizeof(V) / sizeof(float);
-  for (int64_t j0 = 0; j0 < KT; j0 += W) {
-    for (int d0 = 0; d0 < DIM; d0 += W) {
-      V r[W];
-      for (int j = 0; j < W; ++j) r[j] = j0 + j < count ? loadv<V>(kp[j0 + j] + d0) : splatv<V>(0.f);
-      if constexpr (W == 16) butterfly_stage<8>(r);
-      butterfly_stage<4>(r);
-      butterfly_stage<2>(r);
-      butterfly_stage<1>(r);
-      for (int d = 0; d < W; ++d) storev<V>(kt + (d0 + d) * KT + j0, r[d]);
-    }
-  }
-}
+#endif
 
 // kt [DIM, KT] = the tile's keys transposed: kt[d * KT + j] = kp[j][d] for j < count, 0 past it. Element by element
 // this was two memory operations per float, which outweighed the scoring for the few query vectors of a decode row
-// on a shared prefix, so W x W blocks go through registers: 16 x 16 with AVX-512, 8 x 8 otherwise. With AVX2 the
-// element loop was 40% of the oracle's time on eight decode rows of an 8k shared prompt (`perf annotate`, 2-core
-// AMD EPYC).
+// on a shared prefix; with AVX-512, 16 x 16 blocks go through registers (16 loads, 64 shuffles, 16 stores).
 template <int DIM, int64_t KT = KEYS>
 inline void transpose_keys(const float* const* kp, int64_t count, float* kt) {
 #ifdef __AVX512F__
-  if constexpr (DIM % 16 == 0 && KT % 16 == 0) return transpose_blocks<DIM, KT, v16>(kp, count, kt);
+  if constexpr (DIM % 16 == 0 && KT % 16 == 0) {
+    for (int64_t j0 = 0; j0 < KT; j0 += 16) {
+      for (int d0 = 0; d0 < DIM; d0 += 16) {
+        v16 r[16];
+        for (int j = 0; j < 16; ++j) r[j] = j0 + j < count ? loadv<v16>(kp[j0 + j] + d0) : splatv<v16>(0.f);
+        butterfly_stage<8>(r);
+        butterfly_stage<4>(r);
+        butterfly_stage<2>(r);
+        butterfly_stage<1>(r);
+        for (int d = 0; d < 16; ++d) storev<v16>(kt + (d0 + d) * KT + j0, r[d]);
+      }
+    }
+    return;
+  }
 #endif
-  static_assert(DIM % 8 == 0 && KT % 8 == 0, "8 x 8 blocks");
-  transpose_blocks<DIM, KT, v8>(kp, count, kt);
+  for (int64_t j = 0; j < KT; ++j)
+    for (int d = 0; d < DIM; ++d) kt[d * KT + j] = j < count ? kp[j][d] : 0.f;
 }
 
 // `score_direct_v` in 16-float vectors where the CPU has AVX-512 (half the FMAs per key), else 8-float ones.

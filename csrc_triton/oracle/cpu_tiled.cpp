@@ -265,14 +265,6 @@ void run_task(const Problem& pb, const Task& tk, Partials& parts, std::vector<fl
       if (++boff == pb.block) boff = 0, ++b;
     }
     run_at[nruns] = count;
-    // The next tile's keys (up to its page's end) into the caches while this one is scored: its first loads
-    // (the transpose's) had waited on memory for a third of a shared-prefix decode task (`perf annotate`; eight
-    // rows on an 8k shared prompt, 2-core AMD EPYC: 3.71 -> 3.40 ms and 3.97 -> 3.60, 23 of 24 paired runs faster).
-    if (k0 + OKEYS < tk.keys) {
-      const int64_t next = k0 + OKEYS, pg = next / pb.page, off = next - pg * pb.page;
-      prefetch_floats(base + pages[pg] * pb.s_page + off * pb.s_tok,
-                      std::min({OKEYS, tk.keys - next, pb.page - off}) * pb.s_tok);
-    }
     if (!direct) transpose_keys<DIM, OKEYS>(kp, count, kt);
     for (int64_t c0 = 0; c0 < nq; c0 += QCHUNK) {
       const int64_t c1 = std::min(nq, c0 + QCHUNK);
