@@ -10,7 +10,10 @@ metadata builders (ours and vLLM's CPU one), the model, the sampler and our metr
 It runs eager (`enforce_eager=True`): module hooks can then open a `torch.profiler` range per module,
 which a compiled graph would not call. `vllm serve` compiles the model outside the attention ops
 (elementwise ops fused), so the non-attention rows here are an upper bound of the served ones; the
-attention ops are opaque custom ops in both modes and run the same code.
+attention ops are opaque custom ops in both modes and run the same code. The same steps are then timed once
+more on a second engine that compiles the model as `vllm serve` does (`step, compiled as served`): the step
+time of the served model without the API server and the benchmark client, which share the CPU with the engine
+when serving (on a 2-core machine they move a served TPOT by tens of ms between runs).
 
 Per model and context it measures two steps: the last prefill chunk of one request (its rows attend the
 whole context) and one decode step of `--num-reqs` requests on one shared prompt (prefilled once, then
@@ -179,28 +182,30 @@ def preload_cpu_kernels() -> None:
         cpu_ext.load(name)
 
 
-def run_model(name: str, ckpt: Path, ctx: int, args) -> dict:
+def run_model(name: str, ckpt: Path, ctx: int, args, compiled: bool = False) -> dict:
+    """The profiled steps of one model (eager), or with `compiled` the same steps timed only, the model compiled
+    as `vllm serve` runs it (no module hooks, no profiler)."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=str(ckpt), dtype="float32", max_model_len=ctx + 64, enforce_eager=True, seed=0,
+    llm = LLM(model=str(ckpt), dtype="float32", max_model_len=ctx + 64, enforce_eager=not compiled, seed=0,
               enable_prefix_caching=True, max_num_batched_tokens=args.chunk, max_num_seqs=args.num_reqs,
               block_size=args.block_size)
     engine = llm.llm_engine
-    handles, counts = llm.apply_model(install_ranges)[0]
+    handles, counts = ([], {}) if compiled else llm.apply_model(install_ranges)[0]
     gen = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(10, 1000, (ctx,), generator=gen).tolist()
     # enough output tokens that every request is still decoding at the profiled steps
     params = SamplingParams(max_tokens=2 * args.reps + 16, temperature=0.0, ignore_eos=True)
     result = {"layer_counts": counts}
-    with patched_ranges():
+    with contextlib.nullcontext() if compiled else patched_ranges():
         # request 0 alone, so that its last prefill chunk attends the whole context
         engine.add_request("r0", TokensPrompt(prompt_token_ids=prompt), params)
         chunks = -(-ctx // args.chunk)
         for _ in range(chunks - 1):
             engine.step()
-        # the last chunk, profiled; timed on a fresh request of the same prompt without the prefix cache
-        result["prefill"] = profile_step(engine)
+        # the last chunk, profiled (then timed below on a fresh prompt without the prefix cache), or timed
+        result["prefill"] = {"step_ms_unprofiled": step_ms(engine)} if compiled else profile_step(engine)
         result["prefill"]["rows"] = ctx - (chunks - 1) * args.chunk
         # the other requests share the prompt (prefix cache) and add one token of their own
         for i in range(1, args.num_reqs):
@@ -208,19 +213,20 @@ def run_model(name: str, ckpt: Path, ctx: int, args) -> dict:
         for _ in range(4):  # their prefills (one page at most each), then every request decoding
             engine.step()
         times = [step_ms(engine) for _ in range(args.reps)]
-        result["decode"] = profile_step(engine)
+        result["decode"] = {} if compiled else profile_step(engine)
         result["decode"]["step_ms_unprofiled"] = statistics.median(times)
         result["decode"]["rows"] = args.num_reqs
         # prefill timing without the profiler: the same prompt again with fresh tokens (no cache hit)
         prompt2 = torch.randint(10, 1000, (ctx,), generator=gen).tolist()
         while engine.has_unfinished_requests():
             engine.step()
-        engine.add_request("p", TokensPrompt(prompt_token_ids=prompt2), SamplingParams(max_tokens=1))
-        for _ in range(chunks - 1):
-            engine.step()
-        result["prefill"]["step_ms_unprofiled"] = step_ms(engine)
-        while engine.has_unfinished_requests():
-            engine.step()
+        if not compiled:
+            engine.add_request("p", TokensPrompt(prompt_token_ids=prompt2), SamplingParams(max_tokens=1))
+            for _ in range(chunks - 1):
+                engine.step()
+            result["prefill"]["step_ms_unprofiled"] = step_ms(engine)
+            while engine.has_unfinished_requests():
+                engine.step()
     for h in handles:
         h.remove()
     del llm, engine
@@ -261,6 +267,11 @@ def markdown(result: dict) -> str:
                 lines.append(f"| {label} | " + " | ".join("—" if v is None else f"{v:.1f}" for v in values) + " |")
 
             row("step, unprofiled", [models[m][phase].get("step_ms_unprofiled") for m in names])
+            compiled = [models[m].get("compiled", {}).get(phase, {}).get("step_ms_unprofiled") for m in names]
+            row("step, compiled as served (unprofiled)", compiled)
+            if names[0] == "dense" and compiled[0]:
+                lines.append("| compiled step / dense | " + " | ".join(
+                    "—" if c is None else f"{c / compiled[0]:.2f}x" for c in compiled) + " |")
             row("step, profiled", [sums[m]["step"] for m in names])
             row("model forward", [sums[m]["model"] for m in names])
             row("outside the model (scheduler, inputs, sampler)", [sums[m]["outside_model"] for m in names])
@@ -319,6 +330,7 @@ def main(argv=None) -> int:
             print(f"[layer_breakdown] {name} at {ctx} tokens", flush=True)
             ckpt = checkpoint(name, args.checkpoints)
             result["contexts"][ctx][name] = run_model(name, ckpt, ctx, args)
+            result["contexts"][ctx][name]["compiled"] = run_model(name, ckpt, ctx, args, compiled=True)
             # written after every model, so a run cut short keeps what it measured
             text = markdown(result)
             stem.with_suffix(".json").write_text(json.dumps(result, indent=1))

@@ -342,26 +342,25 @@ def _version(dist: str) -> str | None:
         return None
 
 
+def _cpuinfo(field: str) -> str | None:
+    """The value of the first `field` line of /proc/cpuinfo, or None (no such file or field)."""
+    with contextlib.suppress(OSError, StopIteration):
+        line = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith(field))
+        return line.split(":", 1)[1].strip()
+    return None
+
+
 def vector_isa() -> str:
     """The widest vector ISA of this CPU our C++ kernels build for ("AVX-512", "AVX2" or "scalar"): their tile
     shapes differ by it, and so do their ratios to vLLM's kernels."""
-    flags = set()
-    with contextlib.suppress(OSError, StopIteration):
-        line = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags"))
-        flags = set(line.split(":", 1)[1].split())
+    flags = set((_cpuinfo("flags") or "").split())
     return "AVX-512" if "avx512f" in flags else "AVX2" if {"avx2", "fma"} <= flags else "scalar"
 
 
 def machine_info(repo: Path = REPO) -> dict:
     """What ran the benchmark: {platform, python, cpu, cpu_count, mem_total_bytes, gpu, versions {torch, vllm,
     transformers}, git_commit, git_dirty, loadavg_1_5_15_at_start} (`repo`: the checkout whose commit counts)."""
-    cpu = platform.processor()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    cpu = f"{cpu} ({vector_isa()})"
+    cpu = f"{_cpuinfo('model name') or platform.processor()} ({vector_isa()})"
     mem = None
     with contextlib.suppress(OSError, ValueError, IndexError):
         mem = int(Path("/proc/meminfo").read_text().split("MemTotal:")[1].split()[0]) * 1024
