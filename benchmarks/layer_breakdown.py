@@ -41,7 +41,7 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 import torch  # noqa: E402
 
-from vllm_hysparse.tools.bench_checkpoints import ensure_dense_checkpoint, ensure_hysparse_checkpoint  # noqa: E402
+from vllm_hysparse.tools.bench_checkpoints import small_checkpoint  # noqa: E402
 
 BENCH_DIR = Path(__file__).resolve().parent
 CHECKPOINT_DIR = BENCH_DIR / "checkpoints"  # the same checkpoints as benchmarks/serve_bench.py
@@ -52,13 +52,6 @@ PREFIX = "bd:"  # names of our profiler ranges
 TIMED = ("qkv_proj", "q_swa_kv_proj", "q_proj", "kv_proj", "o_proj", "gate_proj", "gate_up_proj", "down_proj",
          "act_fn", "rotary_emb", "q_norm", "k_norm", "swa_k_norm", "attn", "swa_attn", "bridge",
          "input_layernorm", "post_attention_layernorm")
-
-
-def checkpoint(name: str, root: Path) -> Path:
-    hysparse = ensure_hysparse_checkpoint(root / "hysparse-small")
-    if name == "dense":
-        return ensure_dense_checkpoint(root / "llama-small", hysparse)
-    return ensure_hysparse_checkpoint(root / f"{name}-small", name)
 
 
 def attention_roles(module) -> str:
@@ -328,7 +321,7 @@ def main(argv=None) -> int:
         result["contexts"][ctx] = {}
         for name in args.models:
             print(f"[layer_breakdown] {name} at {ctx} tokens", flush=True)
-            ckpt = checkpoint(name, args.checkpoints)
+            ckpt = small_checkpoint(name, args.checkpoints)
             result["contexts"][ctx][name] = run_model(name, ckpt, ctx, args)
             result["contexts"][ctx][name]["compiled"] = run_model(name, ckpt, ctx, args, compiled=True)
             # written after every model, so a run cut short keeps what it measured

@@ -28,14 +28,13 @@ import sys
 import time
 from pathlib import Path
 
+from vllm_hysparse.tools.bench_checkpoints import small_checkpoint
+from vllm_hysparse.tools.harness import machine_info, percentile, result_stem, save_report
+
 BENCH_DIR = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH_DIR))
-
-from layer_breakdown import CHECKPOINT_DIR, MODELS, checkpoint  # noqa: E402
-
-from vllm_hysparse.tools.harness import machine_info, percentile, result_stem, save_report  # noqa: E402
-
+CHECKPOINT_DIR = BENCH_DIR / "checkpoints"  # the same checkpoints as serve_bench.py and layer_breakdown.py
 RESULTS_DIR = BENCH_DIR / "results"
+MODELS = ("dense", "hysparse", "hysparse2")
 
 
 def engine_worker(conn, ckpt: str, ctx: int, args: dict) -> None:
@@ -89,7 +88,7 @@ def paired(ctx: int, names: list[str], args) -> dict:
     spawn = mp.get_context("spawn")
     workers = {}
     for name in names:
-        ckpt = str(checkpoint(name, args.checkpoints))
+        ckpt = str(small_checkpoint(name, args.checkpoints))
         parent, child = spawn.Pipe()
         proc = spawn.Process(target=engine_worker, args=(child, ckpt, ctx, vars(args)), daemon=True)
         proc.start()

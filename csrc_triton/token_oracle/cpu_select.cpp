@@ -102,24 +102,34 @@ int64_t select_row(const float* r, int64_t t, int64_t topk, int64_t window, int3
   return written;
 }
 
+// The checks both entries share: topk and window, pos [N] int64, ids [N, G, topk + window] int32, and every row's
+// position within the L columns it selects from. Returns topk + window.
+int64_t check_selection(const char* op, int64_t n, int64_t groups, int64_t len, int64_t topk, int64_t window,
+                        const at::Tensor& pos, const at::Tensor& ids) {
+  const int64_t width = topk + window;
+  TORCH_CHECK(topk >= 0 && window >= 0 && width > 0, op, ": topk and window >= 0, not both 0");
+  TORCH_CHECK(pos.scalar_type() == at::kLong && pos.is_contiguous() && pos.numel() == n, op,
+              ": pos must be contiguous int64 [N]");
+  TORCH_CHECK(ids.scalar_type() == at::kInt && ids.is_contiguous() && ids.numel() == n * groups * width, op,
+              ": ids must be contiguous int32 [N, G, topk + window]");
+  const int64_t* ps = pos.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(ps[i] < len, op, ": row ", i, " at position ", ps[i], " past the ", len, " columns");
+  return width;
+}
+
 void token_select(const at::Tensor& logits, const at::Tensor& lse, const at::Tensor& pos, int64_t groups,
                   int64_t topk, int64_t window, bool sum, at::Tensor& ids) {
   TORCH_CHECK(logits.dim() == 3 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
               "token_select: logits must be contiguous float32 [N, H, L]");
-  const int64_t n = logits.size(0), heads = logits.size(1), len = logits.size(2), width = topk + window;
+  const int64_t n = logits.size(0), heads = logits.size(1), len = logits.size(2);
   TORCH_CHECK(groups > 0 && heads % groups == 0, "token_select: ", heads, " heads in ", groups, " groups");
-  TORCH_CHECK(topk >= 0 && window >= 0 && width > 0, "token_select: topk and window >= 0, not both 0");
   TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.numel() == n * heads,
               "token_select: lse must be contiguous float32 [N, H]");
-  TORCH_CHECK(pos.scalar_type() == at::kLong && pos.is_contiguous() && pos.numel() == n,
-              "token_select: pos must be contiguous int64 [N]");
-  TORCH_CHECK(ids.scalar_type() == at::kInt && ids.is_contiguous() && ids.numel() == n * groups * width,
-              "token_select: ids must be contiguous int32 [N, G, topk + window]");
+  const int64_t width = check_selection("token_select", n, groups, len, topk, window, pos, ids);
   const float* z = logits.data_ptr<float>();
   const float* l = lse.data_ptr<float>();
   const int64_t* ps = pos.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i)
-    TORCH_CHECK(ps[i] < len, "token_select: row ", i, " at position ", ps[i], " past the ", len, " logits");
   int32_t* out = ids.data_ptr<int32_t>();
   const int64_t per_group = heads / groups;
   at::parallel_for(0, n * groups, 1, [&](int64_t begin, int64_t end) {
@@ -147,16 +157,10 @@ void token_select(const at::Tensor& logits, const at::Tensor& lse, const at::Ten
 void token_select_probs(const at::Tensor& probs, const at::Tensor& pos, int64_t topk, int64_t window, at::Tensor& ids) {
   TORCH_CHECK(probs.dim() == 3 && probs.scalar_type() == at::kFloat && probs.is_contiguous(),
               "token_select_probs: probs must be contiguous float32 [N, G, L]");
-  const int64_t n = probs.size(0), groups = probs.size(1), len = probs.size(2), width = topk + window;
-  TORCH_CHECK(topk >= 0 && window >= 0 && width > 0, "token_select_probs: topk and window >= 0, not both 0");
-  TORCH_CHECK(pos.scalar_type() == at::kLong && pos.is_contiguous() && pos.numel() == n,
-              "token_select_probs: pos must be contiguous int64 [N]");
-  TORCH_CHECK(ids.scalar_type() == at::kInt && ids.is_contiguous() && ids.numel() == n * groups * width,
-              "token_select_probs: ids must be contiguous int32 [N, G, topk + window]");
+  const int64_t n = probs.size(0), groups = probs.size(1), len = probs.size(2);
+  const int64_t width = check_selection("token_select_probs", n, groups, len, topk, window, pos, ids);
   const float* pr = probs.data_ptr<float>();
   const int64_t* ps = pos.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i)
-    TORCH_CHECK(ps[i] < len, "token_select_probs: row ", i, " at position ", ps[i], " past the ", len, " columns");
   int32_t* out = ids.data_ptr<int32_t>();
   at::parallel_for(0, n * groups, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> bucket;

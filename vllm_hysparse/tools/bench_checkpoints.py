@@ -2,7 +2,8 @@
 """The `small` checkpoints the serving benchmarks compare (random weights, nothing downloaded), each written once.
 
 `ensure_hysparse_checkpoint` (HySparse or HySparse2) and `ensure_dense_checkpoint` (a Llama of the same shape
-and tokenizer); `benchmarks/serve_bench.py` and `benchmarks/layer_breakdown.py` serve them. torch and
+and tokenizer), `small_checkpoint` for either by name; `benchmarks/serve_bench.py`, `layer_breakdown.py` and
+`paired_steps.py` run them. torch and
 transformers are imported inside the functions, so importing this module stays as light as the harness.
 """
 
@@ -55,3 +56,12 @@ def ensure_dense_checkpoint(path: Path, hysparse_path: Path, seed: int = 0) -> P
         GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
                          pad_token_id=config.pad_token_id).save_pretrained(tmp)
     return path
+
+
+def small_checkpoint(name: str, root: Path) -> Path:
+    """The `small` checkpoint of `name` ("dense", "hysparse" or "hysparse2") under `root`, written once: the
+    benchmarks' `llama-small`, `hysparse-small` and `hysparse2-small` (dense has HySparse's dims and tokenizer)."""
+    hysparse = ensure_hysparse_checkpoint(root / "hysparse-small")
+    if name == "dense":
+        return ensure_dense_checkpoint(root / "llama-small", hysparse)
+    return ensure_hysparse_checkpoint(root / f"{name}-small", name)
