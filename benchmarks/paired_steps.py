@@ -16,11 +16,12 @@ Per context: `--rounds` decode steps of `--num-reqs` requests on one shared prom
 others share it through the prefix cache), then `--prefill-rounds` whole prefills of a fresh prompt of that
 length (one request, the time until its first token: the engine's TTFT). Reports the median, quartiles and
 mean of the per-round ratios and the median step times. Writes
-`benchmarks/results/paired_steps_<date>_<HHMM>[_<tag>].{json,md}`.
+`benchmarks/results/paired_steps_<date>_<HHMM>[_<tag>].{json,md,png}` (the plot: each round's ratio, as boxes).
 """
 
 import argparse
 import datetime
+import json
 import multiprocessing as mp
 import os
 import statistics
@@ -147,6 +148,32 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(result: dict, path: Path) -> None:
+    """Per context and phase, each model's per-round ratios to dense (box: quartiles; line at 1: dense)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(ctx, phase, r) for ctx, phases in result["contexts"].items() for phase, r in phases.items()]
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.6), squeeze=False)
+    for ax, (ctx, phase, r) in zip(axes[0], panels):
+        models = list(r["ratio"])
+        ax.boxplot([[a / b for a, b in zip(r["ms"][m], r["ms"]["dense"])] for m in models])
+        ax.set_xticks(range(1, len(models) + 1), models)
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_title(f"{ctx} tokens, {phase}", fontsize=9)
+        ax.set_ylabel("step / dense step, same round")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_reports(result: dict, stem: Path) -> None:
+    save_report(stem, result, markdown(result))
+    plot(result, stem.with_suffix(".png"))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 8192])
@@ -162,7 +189,12 @@ def main(argv=None) -> int:
     parser.add_argument("--checkpoints", type=Path, default=CHECKPOINT_DIR)
     parser.add_argument("--results", type=Path, default=RESULTS_DIR)
     parser.add_argument("--tag", default=None, help="suffix of the result files")
+    parser.add_argument("--report-from", type=Path, metavar="JSON",
+                        help="only redraw the .md and .png of an earlier run's JSON; runs nothing")
     args = parser.parse_args(argv)
+    if args.report_from:
+        write_reports(json.loads(args.report_from.read_text()), args.report_from.with_suffix(""))
+        return 0
     start = datetime.datetime.now()
     result = {"command": "python benchmarks/paired_steps.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "machine": machine_info(), "num_reqs": args.num_reqs, "chunk": args.chunk, "contexts": {}}
@@ -170,7 +202,7 @@ def main(argv=None) -> int:
     for ctx in args.contexts:
         print(f"[paired_steps] {ctx} tokens: dense, {', '.join(args.models)}", flush=True)
         result["contexts"][ctx] = paired(ctx, ["dense", *args.models], args)
-        save_report(stem, result, markdown(result))  # after every context, so a run cut short keeps its rounds
+        write_reports(result, stem)  # after every context, so a run cut short keeps its rounds
     return 0
 
 
