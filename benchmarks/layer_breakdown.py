@@ -244,8 +244,9 @@ def summarise(profile: dict) -> dict:
 def markdown(result: dict) -> str:
     lines = ["# Per-layer breakdown of one engine step (CPU, float32, `small` presets)", "",
              f"`{result['command']}` on {result['machine']}, torch {result['torch']}, load before the run: "
-             f"{result['load']}. vLLM engine in process, eager, prefix caching on, chunked prefill of "
-             f"{result['chunk']} tokens, {result['num_reqs']} decode requests on one shared prompt. "
+             f"{result['load']}, OMP_WAIT_POLICY {result.get('omp_wait_policy') or 'unset'}. vLLM engine in "
+             f"process, eager, prefix caching on, chunked prefill of {result['chunk']} tokens, "
+             f"{result['num_reqs']} decode requests on one shared prompt. "
              "Times are profiled (inclusive, ms, one step); `unprofiled` is the same step's wall time "
              "without the profiler (decode: median of the timed steps).", ""]
     for ctx, models in result["contexts"].items():
@@ -314,6 +315,7 @@ def main(argv=None) -> int:
     result = {"command": "python benchmarks/layer_breakdown.py " + " ".join(argv or sys.argv[1:]),
               "machine": f"{platform.machine()} {torch.get_num_threads()} threads", "torch": torch.__version__,
               "load": " ".join(f"{x:.2f}" for x in os.getloadavg()), "chunk": args.chunk,
+              "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
               "num_reqs": args.num_reqs, "reps": args.reps, "top_ops": args.top_ops, "contexts": {}}
     args.results.mkdir(parents=True, exist_ok=True)
     stem = args.results / f"layer_breakdown_{datetime.datetime.now():%Y-%m-%d_%H%M}{args.tag}"

@@ -7,10 +7,13 @@
 Each model's vLLM engine lives in its own process (float32, prefix caching on, chunked prefill of `--chunk`
 tokens, the model compiled as `vllm serve` compiles it). They are all started first; then, round after round,
 each engine in turn runs one step while the others wait on a pipe, and the next round starts with the next
-engine. A round's ratio (HySparse step / dense step) compares two steps taken within a second of each other, so
-a slow minute of a shared machine (on the 2-core CI machine one vLLM kernel call on the same input took 4.6 to
-10.2 ms within ten minutes) moves both; models measured one after the other, as `serve_bench.py` and
-`layer_breakdown.py` do, get different minutes. This measures the engine's step only: no API server, no client.
+engine (after a pause of `--gap-ms`). A round's ratio (HySparse step / dense step) compares two steps taken
+within a second of each other, so a slow minute of a shared machine (on the 2-core CI machine one vLLM kernel
+call on the same input took 4.6 to 10.2 ms within ten minutes) moves both; models measured one after the other,
+as `serve_bench.py` and `layer_breakdown.py` do, get different minutes. This measures the engine's step only: no
+API server, no client. Run it as a server runs, without `OMP_WAIT_POLICY=PASSIVE` (which the test suite sets):
+with it every parallel region wakes sleeping threads, and one request's decode step at 512 tokens took 40.7 ms
+instead of 24.1 for dense (the policy is recorded in the results).
 
 Per context: `--rounds` decode steps of `--num-reqs` requests on one shared prompt (request 0 prefills it, the
 others share it through the prefix cache), then `--prefill-rounds` whole prefills of a fresh prompt of that
@@ -44,7 +47,6 @@ def engine_worker(conn, ckpt: str, ctx: int, args: dict) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args["kv_space_gib"]))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # a waiting engine's OpenMP threads sleep
     import torch
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -103,6 +105,7 @@ def paired(ctx: int, names: list[str], args) -> dict:
             for r in range(rounds):
                 for k in range(len(names)):
                     name = names[(r + k) % len(names)]
+                    time.sleep(args.gap_ms / 1e3)  # the previous engine's spinning OpenMP threads go to sleep
                     workers[name][1].send(phase)
                     times[phase][name].append(workers[name][1].recv())
         for _, conn in workers.values():
@@ -135,7 +138,8 @@ def markdown(result: dict) -> str:
              f"vLLM {result['machine']['versions']['vllm']}, commit {result['machine']['git_commit'][:10]}. "
              f"Engines side by side, compiled as `vllm serve` compiles them, taking turns step by step; decode: "
              f"{result['num_reqs']} requests on one shared prompt; prefill: one fresh prompt's time to its first "
-             f"token (chunks of {result['chunk']} tokens). Ratio: the model's step over dense's step in the same "
+             f"token (chunks of {result['chunk']} tokens); OMP_WAIT_POLICY "
+             f"{result.get('omp_wait_policy') or 'unset'}. Ratio: the model's step over dense's step in the same "
              "round.", "",
              "| context | phase | model | rounds | ratio median | p25-p75 | mean | model ms (median) | dense ms |",
              "| ---: | --- | --- | ---: | ---: | --- | ---: | ---: | ---: |"]
@@ -185,6 +189,9 @@ def main(argv=None) -> int:
     parser.add_argument("--chunk", type=int, default=2048, help="max_num_batched_tokens (prefill chunk)")
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--kv-space-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE of each engine")
+    parser.add_argument("--gap-ms", type=float, default=20.0,
+                        help="pause before each engine's turn: libgomp's threads spin a while after a parallel "
+                             "region (OMP_WAIT_POLICY unset, as served), and would take the next engine's cores")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--checkpoints", type=Path, default=CHECKPOINT_DIR)
     parser.add_argument("--results", type=Path, default=RESULTS_DIR)
@@ -197,7 +204,8 @@ def main(argv=None) -> int:
         return 0
     start = datetime.datetime.now()
     result = {"command": "python benchmarks/paired_steps.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "machine": machine_info(), "num_reqs": args.num_reqs, "chunk": args.chunk, "contexts": {}}
+              "machine": machine_info(), "num_reqs": args.num_reqs, "chunk": args.chunk, "gap_ms": args.gap_ms,
+              "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "contexts": {}}
     stem = result_stem(args.results, "paired_steps", start, args.tag)
     for ctx in args.contexts:
         print(f"[paired_steps] {ctx} tokens: dense, {', '.join(args.models)}", flush=True)
