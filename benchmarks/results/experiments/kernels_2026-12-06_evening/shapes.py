@@ -1,8 +1,6 @@
 """The shapes these experiments share: eight decode rows of the HySparse `small` preset on one shared 8k prompt
 (`benchmarks/attention_micro.py --shared-prefix`), the oracle's own selection, the bound C++ kernels."""
-import statistics
 import sys
-import time
 
 import torch
 
@@ -19,13 +17,7 @@ S = am.HYSPARSE
 
 def timed(fn, reps=20) -> float:
     """Median ms of `reps` calls after one warm-up call."""
-    fn()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(ts)
+    return am.median_ms(fn, reps)
 
 
 def decode_step(ctx: int = 8192, rows: int = 8):
