@@ -209,11 +209,10 @@ def run_model(name: str, ckpt: Path, ctx: int, args, compiled: bool = False) -> 
         result["decode"] = {} if compiled else profile_step(engine)
         result["decode"]["step_ms_unprofiled"] = statistics.median(times)
         result["decode"]["rows"] = args.num_reqs
-        # prefill timing without the profiler: the same prompt again with fresh tokens (no cache hit)
-        prompt2 = torch.randint(10, 1000, (ctx,), generator=gen).tolist()
-        while engine.has_unfinished_requests():
-            engine.step()
-        if not compiled:
+        if not compiled:  # prefill timing without the profiler: a fresh prompt of that length (no cache hit)
+            prompt2 = torch.randint(10, 1000, (ctx,), generator=gen).tolist()
+            while engine.has_unfinished_requests():
+                engine.step()
             engine.add_request("p", TokensPrompt(prompt_token_ids=prompt2), SamplingParams(max_tokens=1))
             for _ in range(chunks - 1):
                 engine.step()

@@ -20,6 +20,7 @@ streaming clients, checks against the alone answers) in `vllm_hysparse.tools.loa
 
 import contextlib
 import datetime
+import functools
 import json
 import math
 import os
@@ -342,12 +343,18 @@ def _version(dist: str) -> str | None:
         return None
 
 
+@functools.lru_cache(maxsize=1)
+def _cpuinfo_lines() -> tuple[str, ...]:
+    """/proc/cpuinfo's lines, read once per process (empty where there is none)."""
+    with contextlib.suppress(OSError):
+        return tuple(Path("/proc/cpuinfo").read_text().splitlines())
+    return ()
+
+
 def _cpuinfo(field: str) -> str | None:
     """The value of the first `field` line of /proc/cpuinfo, or None (no such file or field)."""
-    with contextlib.suppress(OSError, StopIteration):
-        line = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith(field))
-        return line.split(":", 1)[1].strip()
-    return None
+    line = next((x for x in _cpuinfo_lines() if x.startswith(field)), None)
+    return None if line is None else line.split(":", 1)[1].strip()
 
 
 def vector_isa() -> str:
