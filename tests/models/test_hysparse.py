@@ -113,6 +113,27 @@ class TestEagerEngine:
         pool_tokens = layout["num_blocks"] * full_groups[0]["block_size"]
         assert pool_tokens == (1 << 30) // allocated
 
+    def test_sparse_layer_runs_both_branches_in_one_attention_op(self, eager_llm, reference, prompts, expected,
+                                                                 monkeypatch):
+        """A sparse layer's `attn` op runs its SWA branch too (`fused_window`): `swa_attn` owns the window cache
+        and is never called, yet prompts longer than the window still match the reference."""
+        from vllm.model_executor.layers.attention import Attention
+
+        called = []
+        forward = Attention.forward
+
+        def recording(layer, *args, **kwargs):
+            called.append(layer.layer_name)
+            return forward(layer, *args, **kwargs)
+
+        monkeypatch.setattr(Attention, "forward", recording)
+        got = vllm_greedy(eager_llm, prompts[-2:], MAX_TOKENS)  # 150 and 400 tokens, the window is 32
+        monkeypatch.undo()
+        layers = reference.config.num_hidden_layers
+        assert sorted(set(called)) == sorted(f"model.layers.{i}.self_attn.attn" for i in range(layers))
+        assert len(called) % layers == 0 and len(called) >= layers * MAX_TOKENS
+        check_logprobs_close(expected[-2:], got)
+
     def test_compiled_matches_eager_and_reference(self, ckpt, eager_llm, prompts, expected):
         # Default compilation (trace once, inductor) and vLLM's default CPU page size.
         llm = make_llm(ckpt)

@@ -9,7 +9,8 @@ sharing binds it to the full layer's), reads that buffer and attends, with its
 sink, over the selected blocks (SPEC §3.2). HySparse2's cross layers use
 `token_oracle` / `token_sparse` the same way over token positions (SPEC §3.3);
 its bridged caches are `kv_owner`s, written and never attended here. The SWA
-branch is a plain windowed vLLM `Attention` with sinks and needs nothing from us.
+branch is a plain windowed vLLM `Attention` with sinks; the global branch's op
+runs it (`fused_window`), so a sparse layer costs one attention op, not two.
 With `v_head_dim != head_dim` (SPEC §2.6) the layers vLLM would otherwise
 serve run here too, because vLLM 0.32's CPU backend cannot store V at its own
 width and ours can (`AttentionSpec.head_size_v`): role `dense` is plain causal
@@ -65,7 +66,7 @@ from csrc_triton.paged_batch import BatchPlan, make_plan
 from vllm_hysparse import envs
 from vllm_hysparse.attention.paged import bind_write_kv, split_kv_cache
 from vllm_hysparse.metrics import worker_stats
-from vllm_hysparse.vllm_glue.forward_context import attention_layer
+from vllm_hysparse.vllm_glue.forward_context import attention_context, attention_layer
 
 BACKEND_NAME = "HYSPARSE"
 KERNELS_ENV = envs.KERNELS.name
@@ -310,13 +311,16 @@ class HySparseAttentionImpl(AttentionImpl):
             oracle role and read by the sparse roles that follow it.
         selection: `BlockSelection`, `TokenSelection` or `WindowSelection` of the roles that need one.
         sinks: `[H]` float32 sink logits (sparse roles), or None.
+        fused_window: name of a sliding-window `Attention` (a HySparse sparse layer's SWA branch) whose
+            cache write and attention this layer's op runs too, on the key / value it is given; its output
+            then has two halves, `[2T, H, Dv]`: this layer's rows, then the window layer's.
     """
 
     def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
                  logits_soft_cap=None, attn_type=AttentionType.DECODER, kv_sharing_target_layer_name=None, *,
                  hysparse_role: str, index_buffer: torch.Tensor | None = None,
                  selection: BlockSelection | TokenSelection | WindowSelection | None = None,
-                 sinks: torch.Tensor | None = None):
+                 sinks: torch.Tensor | None = None, fused_window: str | None = None):
         if hysparse_role not in ROLE_TABLE:
             raise ValueError(f"hysparse_role: must be one of {ROLES} (got {hysparse_role!r})")
         if alibi_slopes is not None or logits_soft_cap:
@@ -336,6 +340,7 @@ class HySparseAttentionImpl(AttentionImpl):
         self.index_buffer = index_buffer
         self.selection = selection
         self.sinks = sinks
+        self.fused_window = fused_window
         self._kernel: tuple[str, Callable] | None = None  # (path, function), resolved on the first call
         if current_platform.is_cpu() and kernel_path(torch.device("cpu")) == "torch":
             # at model load: a build needed here must never happen inside a request (one log line if it runs)
@@ -400,11 +405,27 @@ class HySparseAttentionImpl(AttentionImpl):
             return step_window_positions(meta, n, self.num_kv_heads, self.selection.window)
         return None
 
+    def _window_branch(self, query, key, value, output) -> None:
+        """The `fused_window` layer's step, as vLLM's two attention ops would run it: its cache write, then its
+        attention (its own backend, metadata, cache and slots) -> `output [T, H, Dv]`.
+
+        One op instead of two for a sparse layer's two branches: vLLM's wrappers of the window layer's two ops
+        took 0.08 + 0.06 ms of host time each (torch.profiler self time, compiled, HySparse `small`, one request
+        at 512 tokens, CPU), 1.3 ms of a 27-30 ms decode step over 9 sparse layers.
+        """
+        metadata, layer, kv_cache, slots = attention_context(self.fused_window)
+        if slots is not None:  # as vLLM's `unified_kv_cache_update`; through the layer's impl, so PIC's tap sees it
+            layer.impl.do_kv_cache_update(layer, key, value, kv_cache, slots)
+        layer.impl.forward(layer, query, key, value, kv_cache, metadata, output=output)
+
     def forward(self, layer, query, key, value, kv_cache, attn_metadata: HySparseMetadata | None, output,
                 output_scale=None, output_block_scale=None):
-        """query `[T, H, D]`, kv_cache `[blocks, G, page, D + Dv]` -> `output [T, H, Dv]`."""
+        """query `[T, H, D]`, kv_cache `[blocks, G, page, D + Dv]` -> `output [T, H, Dv]` (`[2T, H, Dv]` with
+        `fused_window`: this layer's rows, then the window layer's, from key `[T, G, D]` and value `[T, G, Dv]`)."""
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("fused output quantization is not supported by the HySparse backend")
+        if self.fused_window is not None:
+            self._window_branch(query, key, value, output[query.shape[0]:])
         if attn_metadata is None:  # profiling / warm-up run
             return output
         path, kernel = self._resolve(query.device)

@@ -19,7 +19,7 @@ OP_NAME = "hysparse_bridge_kv_write"
 
 def _bridge_kv_write(key: torch.Tensor, value: torch.Tensor, dependency: torch.Tensor, layer_name: str) -> None:
     """key, value `[T, G, D]` -> the pages of `layer_name` at this step's slots; `dependency` is only ordered."""
-    layer, kv_cache, slot_mapping = attention_context(layer_name)
+    _, layer, kv_cache, slot_mapping = attention_context(layer_name)
     if slot_mapping is None:  # profiling run: no cache yet
         return
     layer.impl.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)

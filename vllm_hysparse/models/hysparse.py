@@ -134,7 +134,8 @@ class HySparseSparseAttention(nn.Module):
             kv_sharing_target_layer_name=attn_layer_name(oracle_layer),
             attn_backend=HySparseAttentionBackend, hysparse_role="block_sparse", index_buffer=index_buffer,
             selection=BlockSelection(config.sparse_block_size, config.sparse_topk_blocks),
-            sinks=self.sparse_sinks, **separate_v(config), **common)
+            sinks=self.sparse_sinks, fused_window=f"{prefix}.swa_attn", **separate_v(config), **common)
+        # Owns the window cache; its op never runs: `attn`'s op writes and attends it too (one op, not two).
         self.swa_attn = Attention(h.num_heads, config.head_dim, scale, prefix=f"{prefix}.swa_attn",
                                   **window_attention(config, self.swa_sinks), **common)
 
@@ -142,8 +143,10 @@ class HySparseSparseAttention(nn.Module):
         h = self.heads
         q, k, v = project_qkv(self.q_swa_kv_proj, h, hidden_states, self.q_norm, self.swa_k_norm)
         q, k = self.rotary_emb(positions, q, k)
-        o_sparse = self.attn(q, None, None)
-        o_swa = self.swa_attn(q, k, v)
+        # Both branches in one attention op (`fused_window`): rows [:T] global, [T:] SWA.
+        t = q.shape[0]
+        o_sparse, o_swa = self.attn(q, k, v, output_shape=torch.Size((2, t, h.num_heads * h.head_dim_v))).view(
+            2, t, -1).unbind(0)
         gates, _ = self.gate_proj(hidden_states)
         g_sparse, g_swa = gates.split([self.gate_width, self.gate_width], dim=-1)
         o = apply_gate(g_sparse, o_sparse, h) + apply_gate(g_swa, o_swa, h)

@@ -135,7 +135,7 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
                "reads the logits rows of KV-sharing fast prefill"),
     TouchPoint("forward_context.attention_context", "model_executor/layers/attention/attention.py",
                "vllm.model_executor.layers.attention.attention:get_attention_context",
-               "reads a layer, its kv_cache and slots for HySparse2's bridge write"),
+               "reads a layer, its metadata, kv_cache and slots (HySparse2's bridge write, HySparse's SWA branch)"),
 )
 
 

@@ -38,15 +38,16 @@ def attention_layer(name: str):
 
 
 def attention_context(layer_name: str):
-    """`(layer, kv_cache, slot_mapping)` of `layer_name` in this step; `slot_mapping` is None in a profiling run.
+    """`(metadata, layer, kv_cache, slot_mapping)` of `layer_name` in this step; metadata and slots are None in a
+    profiling run.
 
     vLLM's own helper for its attention ops (`get_attention_context`,
-    vllm/model_executor/layers/attention/attention.py), used by HySparse2's bridge write op.
+    vllm/model_executor/layers/attention/attention.py), used by HySparse2's bridge write op and by a HySparse
+    sparse layer's op, which runs its SWA branch's layer too.
     """
     from vllm.model_executor.layers.attention.attention import get_attention_context
 
-    _, layer, kv_cache, slots = get_attention_context(layer_name)
-    return layer, kv_cache, slots
+    return get_attention_context(layer_name)
 
 
 @contextlib.contextmanager
