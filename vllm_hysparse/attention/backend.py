@@ -411,10 +411,14 @@ class HySparseAttentionImpl(AttentionImpl):
 
         One op instead of two for a sparse layer's two branches: vLLM's wrappers of the window layer's two ops
         took 0.08 + 0.06 ms of host time each (torch.profiler self time, compiled, HySparse `small`, one request
-        at 512 tokens, CPU), 1.3 ms of a 27-30 ms decode step over 9 sparse layers.
+        at 512 tokens, CPU), 1.3 ms of a 27-30 ms decode step over 9 sparse layers. vLLM's per-layer KV-connector
+        hooks (`maybe_transfer_kv_layer`) wrap the op of this layer only, not the window layer's.
         """
         metadata, layer, kv_cache, slots = attention_context(self.fused_window)
-        if slots is not None:  # as vLLM's `unified_kv_cache_update`; through the layer's impl, so PIC's tap sees it
+        # As `Attention.forward` and `unified_kv_cache_update` (vllm/model_executor/layers/attention/attention.py):
+        # a backend that writes inside its forward gets no separate write. Through the layer's impl, so PIC's tap
+        # sees the write.
+        if slots is not None and not layer.attn_backend.forward_includes_kv_cache_update:
             layer.impl.do_kv_cache_update(layer, key, value, kv_cache, slots)
         layer.impl.forward(layer, query, key, value, kv_cache, metadata, output=output)
 
