@@ -410,9 +410,9 @@ class HySparseAttentionImpl(AttentionImpl):
         attention (its own backend, metadata, cache and slots) -> `output [T, H, Dv]`.
 
         One op instead of two for a sparse layer's two branches: vLLM's wrappers of the window layer's two ops
-        took 0.08 + 0.06 ms of host time per sparse layer (torch.profiler self time, compiled, HySparse `small`, one request
-        at 512 tokens, CPU), 1.3 ms of a 27-30 ms decode step over 9 sparse layers. vLLM's per-layer KV-connector
-        hooks (`maybe_transfer_kv_layer`) wrap the op of this layer only, not the window layer's.
+        took 0.08 + 0.06 ms of host time per sparse layer (torch.profiler self time, compiled, HySparse `small`,
+        one request at 512 tokens, CPU), 1.3 ms of a 27-30 ms decode step over 9 sparse layers. vLLM's per-layer
+        KV-connector hooks (`maybe_transfer_kv_layer`) wrap the op of this layer only, not the window layer's.
         """
         metadata, layer, kv_cache, slots = attention_context(self.fused_window)
         # As `Attention.forward` and `unified_kv_cache_update` (vllm/model_executor/layers/attention/attention.py):
