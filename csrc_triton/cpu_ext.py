@@ -9,6 +9,8 @@ Both kernels read V as wide as K (pages of `[G, page, 2D]`); a cache with
 (`paged_batch.cpu_kernel_pages`) and runs the PyTorch path.
 """
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -60,6 +62,13 @@ def _module_name(name: str) -> str:
     return f"hysparse_{name}_{_build_tag(_SOURCES[name])}"
 
 
+def _build_dir(module: str) -> Path:
+    """torch's extension cache directory of `module` (created if missing; honours TORCH_EXTENSIONS_DIR)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory(module, verbose=False))
+
+
 def enabled() -> bool:
     """False where `VLLM_HYSPARSE_CPU_EXT` switches the C++ kernels off."""
     return os.environ.get(CPU_EXT_ENV, "1") not in ("0", "false", "False")
@@ -67,10 +76,8 @@ def enabled() -> bool:
 
 def _is_built(name: str) -> bool:
     """Whether torch's extension cache holds a build of `name` at least as new as its sources."""
-    from torch.utils.cpp_extension import _get_build_directory
-
     module = _module_name(name)
-    lib = Path(_get_build_directory(module, verbose=False)) / f"{module}.so"
+    lib = _build_dir(module) / f"{module}.so"
     sources = (_SOURCES[name], Path(__file__).parent / "cpu_online_softmax.h", Path(__file__).parent / "cpu_tile.h")
     return lib.exists() and lib.stat().st_mtime >= max(s.stat().st_mtime for s in sources if s.exists())
 
@@ -102,6 +109,28 @@ def load(name: str = "oracle_decode"):
         return _LOADED[name]
 
 
+@contextlib.contextmanager
+def _exclusive_build(module: str):
+    """Hold an OS lock on `module`'s build directory while torch builds or loads it; clear a stale torch lock.
+
+    torch marks a build in progress with a `lock` file and makes every other
+    process wait, with no timeout and no message, until the file is gone, so a
+    build killed midway (Ctrl-C during setup, a CI job cancelled) used to hang
+    the next model load for ever. Every process that builds our kernels takes
+    this `flock` first, and the kernel drops it when its holder dies: whoever
+    holds it finds a `lock` file only where a dead build left one.
+    """
+    build_dir = _build_dir(module)
+    with open(build_dir / "hysparse.flock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        stale = build_dir / "lock"
+        if stale.exists():
+            logger.warning("HySparse: removing %s, left behind by a build of %s that was stopped midway", stale,
+                           module)
+            stale.unlink(missing_ok=True)
+        yield
+
+
 def _build(name: str):
     if not enabled():
         return None
@@ -113,8 +142,9 @@ def _build(name: str):
         # headers. With torch/extension.h each file took 47-54 s of CPU to compile, now 13-19 s (measured on the
         # 2-core machine, 151 s -> 44 s for the three), which setup, CI and the demo on a fresh machine all pay.
         module = _module_name(name)
-        jit_load(name=module, sources=[str(_SOURCES[name])], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
-                 is_python_module=False, verbose=False)
+        with _exclusive_build(module):
+            jit_load(name=module, sources=[str(_SOURCES[name])], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
+                     is_python_module=False, verbose=False)
         namespace = getattr(torch.ops, module)
         ops = SimpleNamespace(**{op: getattr(namespace, op) for op in _OPS[name]})
         if name in ("oracle_tiled", "sparse"):
