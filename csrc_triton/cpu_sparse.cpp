@@ -269,9 +269,10 @@ std::vector<SparseTask> sparse_tasks_of(const SparseProblem& pb, int64_t n, std:
 }
 
 // q [N, H, D], kv [pages, G, page, 2D] float32; reqs, pos [N] int64; ids [N, G, W] int32 (-1 padded);
-// sinks [H] float32 or an empty tensor. Returns out [N, H, D].
-at::Tensor paged_sparse(at::Tensor q, at::Tensor kv, at::Tensor block_table, at::Tensor reqs,
-                           at::Tensor pos, at::Tensor ids, int64_t span, double scale, at::Tensor sinks) {
+// sinks [H] float32 or an empty tensor. Writes every row of out [N, H, D] float32 (in place where it is
+// contiguous, which the serving path's output buffers are).
+void paged_sparse(at::Tensor q, at::Tensor kv, at::Tensor block_table, at::Tensor reqs, at::Tensor pos,
+                  at::Tensor ids, int64_t span, double scale, at::Tensor sinks, at::Tensor out) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "q: expected [N, H, D] float32");
   TORCH_CHECK(kv.dim() == 4 && kv.scalar_type() == at::kFloat && kv.stride(3) == 1,
               "kv: expected [pages, G, page, 2D] float32 with a contiguous last dim");
@@ -292,10 +293,13 @@ at::Tensor paged_sparse(at::Tensor q, at::Tensor kv, at::Tensor block_table, at:
     TORCH_CHECK(sinks.numel() == heads && sinks.scalar_type() == at::kFloat, "sinks: expected [H] float32");
     sinks = sinks.contiguous();
   }
-  auto out = at::empty({n, heads, dim}, q.options());
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 3 && out.size(0) == n && out.size(1) == heads &&
+              out.size(2) == dim, "out: expected [N, H, D] float32");
+  const bool direct = out.is_contiguous();
+  at::Tensor dst = direct ? out : at::empty({n, heads, dim}, q.options());
   const SparseProblem pb{q.data_ptr<float>(), kv.data_ptr<float>(), block_table.data_ptr<int32_t>(),
                          reqs.data_ptr<int64_t>(), pos.data_ptr<int64_t>(), ids.data_ptr<int32_t>(),
-                         has_sinks ? sinks.data_ptr<float>() : nullptr, out.data_ptr<float>(), heads, groups,
+                         has_sinks ? sinks.data_ptr<float>() : nullptr, dst.data_ptr<float>(), heads, groups,
                          kv.size(2), ids.size(2), span, kv.stride(0), kv.stride(1), kv.stride(2),
                          block_table.stride(0), static_cast<float>(scale)};
   TORCH_CHECK(heads / groups <= 64, "paged_sparse: at most 64 query heads per KV group");
@@ -307,7 +311,7 @@ at::Tensor paged_sparse(at::Tensor q, at::Tensor kv, at::Tensor block_table, at:
 #undef HYSPARSE_DIM
     default: TORCH_CHECK(false, "paged_sparse: head dim ", dim, " not compiled (see supported_dims)");
   }
-  return out;
+  if (!direct) out.copy_(dst);
 }
 
 // The pages-per-query counters of one oracle layer's selections (`vllm_hysparse.metrics.pages_touched` is the
@@ -395,7 +399,7 @@ static std::vector<int64_t> supported_dims() { return {HYSPARSE_TILE_DIMS(HYSPAR
 TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   // Sparse sink attention of each row over its selected runs of the paged cache.
   m.def("paged_sparse(Tensor q, Tensor kv, Tensor block_table, Tensor reqs, Tensor pos, Tensor ids, int span, "
-        "float scale, Tensor sinks) -> Tensor");
+        "float scale, Tensor sinks, Tensor(a!) out) -> ()");
   // Pages-per-query counters of one oracle layer's selections, added into totals in place.
   m.def("add_pages_touched(Tensor ids, Tensor pos, int block, int page, Tensor(a!) totals) -> ()");
   // New keys and values stored into the pages at their slots, in place.

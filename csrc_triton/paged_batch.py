@@ -348,7 +348,7 @@ def bind_sparse(q, k_cache, v_cache, *, span: int, scale: float, sinks):
     op, sinks = ext.paged_sparse, NO_SINKS if sinks is None else sinks
 
     def run(q, block_table, plan, out, ids):
-        out.copy_(op(q, pages, block_table, plan.row_req, plan.row_pos, ids, span, scale, sinks))
+        op(q, pages, block_table, plan.row_req, plan.row_pos, ids, span, scale, sinks, out)
 
     return run
 

@@ -245,13 +245,38 @@ def test_sparse_shared_prefix(family, use_sinks, same_picks):
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_block_sparse_all_blocks_is_dense_causal(prefill_path):
-    case = bs.CASES[4]
+def _cpp_takes(batch, prefill_path) -> None:
+    """The `cpp` arm must reach the C++ kernel: vLLM's interleaved float32 pages with D_k == D_v."""
+    if prefill_path == "cpp":
+        assert paged_batch.cpu_kernel_pages(batch.k_cache, batch.v_cache) is not None, "not a C++ kernel case"
+
+
+@pytest.mark.parametrize("case", [bs.CASES[0], bs.CASES[4]], ids=str)
+def test_block_sparse_all_blocks_is_dense_causal(case, prefill_path):
     batch, q, sinks = bs.make_inputs(case, torch.float32, seed=3)
+    if case is bs.CASES[0]:
+        _cpp_takes(batch, prefill_path)
     ids = bs.all_blocks(batch, case.num_kv_heads, case.block_size)
     ref = dense_causal(batch, q, case.head_dim ** -0.5, sinks).float().to(DEVICE)
     got = bs.run(block_sparse_attention_batched, batch, q, ids, case, sinks, out=nan_like(q))
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_block_sparse_into_a_strided_out(prefill_path):
+    """An output buffer that is a strided view (every other half-row of a wider one): the rows land in it, and
+    nothing around it is written (the C++ kernel writes contiguous buffers in place, others through a copy)."""
+    case = bs.CASES[0]
+    batch, q, sinks = bs.make_inputs(case, torch.float32, seed=5)
+    _cpp_takes(batch, prefill_path)
+    ids = bs.all_blocks(batch, case.num_kv_heads, case.block_size)
+    ref = dense_causal(batch, q, case.head_dim ** -0.5, sinks).float().to(DEVICE)
+    wide = torch.full((*q.shape[:2], 2 * q.shape[2]), float("nan"), device=q.device)
+    out = wide[..., q.shape[2]:]
+    assert not out.is_contiguous()
+    got = bs.run(block_sparse_attention_batched, batch, q, ids, case, sinks, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    assert wide[..., :q.shape[2]].isnan().all(), "the kernel wrote outside its output view"
 
 
 # ----------------------------------------------------------------------------- D_k != D_v (SPEC §2.6)
