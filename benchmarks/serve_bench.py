@@ -4,25 +4,29 @@
     python benchmarks/serve_bench.py            # prompt lengths 512, 2048, 4096, all four servers (~30 min on 2 cores)
     python benchmarks/serve_bench.py --quick    # prompt lengths 256, 1024
     python benchmarks/serve_bench.py --models hysparse2 hysparse2-noexit --reuse benchmarks/results/<earlier>.json
+    python benchmarks/serve_bench.py --models dense hysparse hysparse2 --rounds 5   # all up, taking turns
 
 Four server configurations, one at a time: `dense` (Llama), `hysparse`, `hysparse2` (prefill early exit on,
-the default) and `hysparse2-noexit` (the same checkpoint served with `VLLM_HYSPARSE2_EARLY_EXIT=0`). Each
-server gets the same KV memory and `--no-enable-prefix-caching`; `vllm bench serve` drives it (random
-dataset, one run per prompt length). TTFT, TPOT and throughput come from the saved JSON, pages per query
-from the `vllm:hysparse_*` counters on /metrics (delta over each run), the KV lines from the server log,
-and the prefill FLOPs of every configuration are computed (`vllm_hysparse/tools/prefill_flops.py`) next to the
-measured TTFT. It writes `benchmarks/results/serve_cpu_<date>[_quick][_HHMM].{json,md,png}` (never over an
-existing file) and prints the Markdown tables. Checkpoints are created once under `benchmarks/checkpoints/`
-(random weights, nothing downloaded).
+the default) and `hysparse2-noexit` (the same checkpoint served with `VLLM_HYSPARSE2_EARLY_EXIT=0`); with
+`--rounds N` all at once, taking turns N times (ratios to dense per round: this machine's speed drifts
+between runs minutes apart). Each server gets the same KV memory and `--no-enable-prefix-caching`; `vllm bench
+serve` drives it (random dataset, one run per prompt length). TTFT, TPOT and throughput come from the saved
+JSON, pages per query from the `vllm:hysparse_*` counters on /metrics (delta over each run), the KV lines from
+the server log, and the prefill FLOPs of every configuration are computed (`vllm_hysparse/tools/prefill_flops.py`)
+next to the measured TTFT. It writes `benchmarks/results/serve_cpu_<date>[_quick][_HHMM].{json,md,png}` (never
+over an existing file) and prints the Markdown tables. Checkpoints are created once under
+`benchmarks/checkpoints/` (random weights, nothing downloaded).
 """
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
 import os
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -208,10 +212,9 @@ def bench_settings(args) -> dict:
 _EARLY_EXIT_LOG = "HySparse2: prefill early exit on"
 
 
-def bench_model(name: str, ckpt: Path, args, work: Path) -> dict:
-    """Serve `ckpt`, run every prompt length, collect timings, pages per query and KV lines."""
-    max_len = max_model_len_for(args.prompt_lens, args.output_len)
-    cmd = serve_command(ckpt, free_port(), max_len, args.prefix_caching)
+def new_record(name: str, ckpt: Path, args, work: Path) -> tuple[dict, list[str], Path]:
+    """The result record of one server configuration, its `vllm serve` command and log path (printed)."""
+    cmd = serve_command(ckpt, free_port(), max_model_len_for(args.prompt_lens, args.output_len), args.prefix_caching)
     log_path = work / f"serve_{name}.log"
     extra_env = SERVERS[name]["env"]
     record = {"checkpoint": str(ckpt), "params": param_count(ckpt), "serve_command": shlex.join(cmd),
@@ -220,56 +223,76 @@ def bench_model(name: str, ckpt: Path, args, work: Path) -> dict:
               "runs": {}, "errors": []}
     env_words = " ".join(f"{k}={v}" for k, v in extra_env.items() if v is not None)
     print(f"[{name}] {env_words + ' ' if env_words else ''}{shlex.join(cmd)}  (log: {log_path})", flush=True)
+    return record, cmd, log_path
+
+
+def start_server(stack: contextlib.ExitStack, name: str, cmd: list[str], log_path: Path, args,
+                 record: dict) -> tuple[subprocess.Popen, str] | None:
+    """Start `name`'s server inside `stack` and warm it up; None (the error recorded) when it does not come up."""
     t0 = time.monotonic()
     try:
-        with running_server(cmd, serve_env(args.kv_space_gib, extra_env), log_path, args.start_timeout) as (proc, root):
-            record["startup_s"] = time.monotonic() - t0
-            warm_up(root, str(ckpt), args.bench_timeout)
-            for n in args.prompt_lens:
-                run = {"input_len": n}
-                record["runs"][str(n)] = run
-                before = parse_metrics(http_get(f"{root}/metrics"))
-                fname = f"bench_{name}_{n}.json"
-                bcmd = bench_command(ckpt, root, n, args.output_len, args.num_prompts, args.concurrency, work,
-                                     fname, args.seed, prefix_len=int(n * args.prefix_fraction))
-                run["bench_command"] = shlex.join(bcmd)
-                for w in range(args.warm_runs):  # the same prompts once untimed: the timed run finds them cached
-                    warm = bench_command(ckpt, root, n, args.output_len, args.num_prompts, args.concurrency, work,
-                                         f"warm{w}_{fname}", args.seed, prefix_len=int(n * args.prefix_fraction))
-                    subprocess.run(warm, capture_output=True, text=True, timeout=args.bench_timeout)
-                print(f"[{name}] prompt {n}: {args.num_prompts} prompts x {args.output_len} tokens, "
-                      f"concurrency {args.concurrency}", flush=True)
-                t1 = time.monotonic()
-                try:
-                    done = subprocess.run(bcmd, capture_output=True, text=True, timeout=args.bench_timeout)
-                except subprocess.TimeoutExpired:
-                    run["error"] = f"vllm bench serve timed out after {args.bench_timeout} s"
-                    run["server_log_excerpt"] = log_tail(log_path)
-                    record["errors"].append(f"prompt {n}: {run['error']}")
-                    break  # the server is still busy with the abandoned requests; longer prompts would be worse
-                run["wall_s"] = time.monotonic() - t1
-                if done.returncode != 0 or not (work / fname).exists():
-                    run["error"] = f"vllm bench serve exited with {done.returncode}"
-                    run["bench_output_tail"] = (done.stdout + done.stderr)[-3000:]
-                    run["server_log_excerpt"] = error_excerpt(log_path)
-                    record["errors"].append(f"prompt {n}: {run['error']}")
-                    if proc.poll() is not None:
-                        record["errors"].append(f"server exited with code {proc.returncode}")
-                        break
-                    continue
-                run["bench"] = summarize_bench(json.loads((work / fname).read_text()))
-                if run["bench"]["failed"]:
-                    run["error"] = f"{run['bench']['failed']} of {args.num_prompts} requests failed"
-                    run["server_log_excerpt"] = error_excerpt(log_path)
-                    record["errors"].append(f"prompt {n}: {run['error']}")
-                run["pages"] = pages_per_query(before, parse_metrics(http_get(f"{root}/metrics")))
-                b = run["bench"]
-                print(f"[{name}] prompt {n}: TTFT {b['mean_ttft_ms']:.0f} ms, TPOT {b['mean_tpot_ms']:.1f} ms, "
-                      f"{b['output_throughput']:.2f} output tok/s ({run['wall_s']:.0f} s)", flush=True)
+        proc, root = stack.enter_context(running_server(cmd, serve_env(args.kv_space_gib, SERVERS[name]["env"]),
+                                                        log_path, args.start_timeout))
+        record["startup_s"] = time.monotonic() - t0
+        warm_up(root, record["checkpoint"], args.bench_timeout)
+        return proc, root
     except (RuntimeError, TimeoutError, OSError) as e:
-        record["errors"].append(f"server: {e}")
-        record["server_log_excerpt"] = error_excerpt(log_path)
-        print(f"[{name}] error: {e}\n{record['server_log_excerpt']}", file=sys.stderr, flush=True)
+        fail_server(name, record, log_path, e)
+        return None
+
+
+def fail_server(name: str, record: dict, log_path: Path, e: Exception) -> None:
+    record["errors"].append(f"server: {e}")
+    record["server_log_excerpt"] = error_excerpt(log_path)
+    print(f"[{name}] error: {e}\n{record['server_log_excerpt']}", file=sys.stderr, flush=True)
+
+
+def bench_commands(name: str, ckpt: Path, root: str, n: int, args, work: Path, tag: str = ""
+                   ) -> tuple[list[str], list, Path]:
+    """The timed `vllm bench serve` command of prompt length `n`, its untimed warm runs, its result file."""
+    fname = f"bench_{name}_{n}{tag}.json"
+
+    def command(filename):
+        return bench_command(ckpt, root, n, args.output_len, args.num_prompts, args.concurrency, work, filename,
+                             args.seed, prefix_len=int(n * args.prefix_fraction))
+
+    return command(fname), [command(f"warm{w}_{fname}") for w in range(args.warm_runs)], work / fname
+
+
+def bench_once(name: str, proc, n: int, bcmd: list[str], result_file: Path, args, log_path: Path,
+               run: dict, record: dict) -> bool:
+    """One timed `vllm bench serve` run into `run`; False when the server cannot take more (stop this model)."""
+    t1 = time.monotonic()
+    try:
+        done = subprocess.run(bcmd, capture_output=True, text=True, timeout=args.bench_timeout)
+    except subprocess.TimeoutExpired:
+        run["error"] = f"vllm bench serve timed out after {args.bench_timeout} s"
+        run["server_log_excerpt"] = log_tail(log_path)
+        record["errors"].append(f"prompt {n}: {run['error']}")
+        return False  # the server is still busy with the abandoned requests; longer prompts would be worse
+    run["wall_s"] = time.monotonic() - t1
+    if done.returncode != 0 or not result_file.exists():
+        run["error"] = f"vllm bench serve exited with {done.returncode}"
+        run["bench_output_tail"] = (done.stdout + done.stderr)[-3000:]
+        run["server_log_excerpt"] = error_excerpt(log_path)
+        record["errors"].append(f"prompt {n}: {run['error']}")
+        if proc.poll() is not None:
+            record["errors"].append(f"server exited with code {proc.returncode}")
+            return False
+        return True
+    run["bench"] = summarize_bench(json.loads(result_file.read_text()))
+    if run["bench"]["failed"]:
+        run["error"] = f"{run['bench']['failed']} of {args.num_prompts} requests failed"
+        run["server_log_excerpt"] = error_excerpt(log_path)
+        record["errors"].append(f"prompt {n}: {run['error']}")
+    b = run["bench"]
+    print(f"[{name}] prompt {n}: TTFT {b['mean_ttft_ms']:.0f} ms, TPOT {b['mean_tpot_ms']:.1f} ms, "
+          f"{b['output_throughput']:.2f} output tok/s ({run['wall_s']:.0f} s)", flush=True)
+    return True
+
+
+def finish_record(name: str, record: dict, log_path: Path, args) -> None:
+    """KV lines and the early-exit check from the server log."""
     log_text = log_path.read_text(errors="replace") if log_path.exists() else ""
     record["kv"] = parse_kv_log(log_text, args.kv_space_gib << 30)
     if name.startswith("hysparse2"):  # the config hook logs this line when it switches early exit on
@@ -278,8 +301,122 @@ def bench_model(name: str, ckpt: Path, args, work: Path) -> dict:
         if record["early_exit_logged"] != expected:
             record["errors"].append(f"server log: early exit {'off' if expected else 'on'}, expected "
                                     f"{'on' if expected else 'off'}")
+
+
+def _announce(name: str, n: int, args, suffix: str = "") -> None:
+    print(f"[{name}] prompt {n}: {args.num_prompts} prompts x {args.output_len} tokens, "
+          f"concurrency {args.concurrency}{suffix}", flush=True)
+
+
+def bench_model(name: str, ckpt: Path, args, work: Path) -> dict:
+    """Serve `ckpt` alone, run every prompt length, collect timings, pages per query and KV lines."""
+    record, cmd, log_path = new_record(name, ckpt, args, work)
+    t0 = time.monotonic()
+    with contextlib.ExitStack() as stack:
+        server = start_server(stack, name, cmd, log_path, args, record)
+        try:
+            for n in args.prompt_lens if server else ():
+                proc, root = server
+                run = {"input_len": n}
+                record["runs"][str(n)] = run
+                before = parse_metrics(http_get(f"{root}/metrics"))
+                bcmd, warm, result_file = bench_commands(name, ckpt, root, n, args, work)
+                run["bench_command"] = shlex.join(bcmd)
+                for w in warm:  # the same prompts once untimed: the timed run finds them cached
+                    subprocess.run(w, capture_output=True, text=True, timeout=args.bench_timeout)
+                _announce(name, n, args)
+                if not bench_once(name, proc, n, bcmd, result_file, args, log_path, run, record):
+                    break
+                if "bench" in run:
+                    run["pages"] = pages_per_query(before, parse_metrics(http_get(f"{root}/metrics")))
+        except OSError as e:
+            fail_server(name, record, log_path, e)
+    finish_record(name, record, log_path, args)
     record["total_s"] = time.monotonic() - t0
     return record
+
+
+def median_bench(benches: list[dict]) -> dict:
+    """Field-wise median of several runs' `vllm bench serve` summaries (counts summed)."""
+    out = {}
+    for k in BENCH_FIELDS:
+        values = [b[k] for b in benches if b.get(k) is not None]
+        if k in ("completed", "failed", "total_input_tokens", "total_output_tokens"):
+            out[k] = sum(values)
+        else:
+            out[k] = statistics.median(values) if values else None
+    return out
+
+
+def bench_turns(names: list[str], ckpts: dict, args, work: Path) -> dict:
+    """All servers up at once, then `--rounds` rounds in which each model runs every prompt length in turn.
+
+    This machine changes speed from minute to minute, so models measured one
+    after another (`bench_model`) differ by 0.15-0.3 in ratio between runs;
+    here the runs a ratio compares are at most a few minutes apart, and the
+    order rotates each round. Each run records `rounds` (one summary per round)
+    and `bench`, their median; `turns` in the result holds the per-round ratios.
+    """
+    records, servers, logs, t0 = {}, {}, {}, time.monotonic()
+    with contextlib.ExitStack() as stack:
+        for name in names:  # started one after another: each compiles its model on every core
+            record, cmd, logs[name] = new_record(name, ckpts[name], args, work)
+            records[name] = record
+            server = start_server(stack, name, cmd, logs[name], args, record)
+            if server:
+                servers[name] = server
+        live = list(servers)
+        for n in args.prompt_lens:
+            before = {}
+            for name in live:
+                proc, root = servers[name]
+                run = records[name]["runs"][str(n)] = {"input_len": n, "rounds": []}
+                before[name] = parse_metrics(http_get(f"{root}/metrics"))
+                bcmd, warm, _ = bench_commands(name, ckpts[name], root, n, args, work, tag="_r0")
+                run["bench_command"] = shlex.join(bcmd)
+                for w in warm:  # every prompt cached before any timed round (prefix caching)
+                    subprocess.run(w, capture_output=True, text=True, timeout=args.bench_timeout)
+            for r in range(args.rounds):
+                for name in live[r % len(live):] + live[:r % len(live)]:
+                    proc, root = servers[name]
+                    run = records[name]["runs"][str(n)]
+                    bcmd, _, result_file = bench_commands(name, ckpts[name], root, n, args, work, tag=f"_r{r}")
+                    _announce(name, n, args, f", round {r + 1} of {args.rounds}")
+                    one = {"round": r}
+                    if not bench_once(name, proc, n, bcmd, result_file, args, logs[name], one, records[name]):
+                        live.remove(name)
+                    run["rounds"].append(one)
+            for name in records:
+                run = records[name]["runs"].get(str(n))
+                if run is None or name not in servers:
+                    continue
+                benches = [one["bench"] for one in run["rounds"] if "bench" in one]
+                if benches:
+                    run["bench"] = median_bench(benches)
+                    _, root = servers[name]
+                    if servers[name][0].poll() is None:
+                        run["pages"] = pages_per_query(before[name], parse_metrics(http_get(f"{root}/metrics")))
+    for name, record in records.items():
+        finish_record(name, record, logs[name], args)
+        record["total_s"] = time.monotonic() - t0
+    return records
+
+
+def turn_ratios(records: dict, lens: list[int]) -> dict:
+    """Per prompt length and model: each round's TTFT and TPOT (mean) over dense's in the same round."""
+    out = {}
+    dense = records.get("dense", {}).get("runs", {})
+    for n in lens:
+        base = {one["round"]: one["bench"] for one in dense.get(str(n), {}).get("rounds", []) if "bench" in one}
+        for m, rec in records.items():
+            if m == "dense":
+                continue
+            rounds = [one for one in rec["runs"].get(str(n), {}).get("rounds", []) if "bench" in one]
+            pairs = [(one["bench"], base[one["round"]]) for one in rounds if one["round"] in base]
+            out.setdefault(str(n), {})[m] = {
+                key: [b[key] / d[key] for b, d in pairs if b.get(key) and d.get(key)]
+                for key in ("mean_ttft_ms", "mean_tpot_ms")}
+    return out
 
 
 # ---------------------------------------------------------------- report
@@ -353,6 +490,28 @@ def _timing_table(result: dict, lens: list[int]) -> list[str]:
             cells = " | ".join(_fmt(v[m], digits) for m in MODELS)
             lines.append(f"| {n} | {label} | {cells} | {_ratio(v['hysparse'], v['dense'])} | "
                          f"{_ratio(v['hysparse2'], v['hysparse'])} | {_ratio(v['hysparse2'], v['hysparse2-noexit'])} |")
+    return lines
+
+
+def quartiles(values: list[float]) -> tuple[float, float, float] | None:
+    """(first quartile, median, third quartile), or None for no values."""
+    if not values:
+        return None
+    if len(values) == 1:
+        return values[0], values[0], values[0]
+    q1, med, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, med, q3
+
+
+def _turns_table(result: dict, lens: list[int]) -> list[str]:
+    lines = ["| prompt | model | rounds | TTFT / dense | TPOT / dense |", "| ---: | --- | ---: | ---: | ---: |"]
+    for n in lens:
+        for m, ratios in (_at(result["turns"], n) or {}).items():
+            cells = []
+            for key in ("mean_ttft_ms", "mean_tpot_ms"):
+                q = quartiles(ratios[key])
+                cells.append("—" if q is None else f"{q[1]:.2f}× ({q[0]:.2f}–{q[2]:.2f})")
+            lines.append(f"| {n} | {_label(m)} | {len(ratios['mean_tpot_ms'])} | {cells[0]} | {cells[1]} |")
     return lines
 
 
@@ -484,6 +643,12 @@ def markdown_report(result: dict) -> str:
         lines.append(f"Reused from `{result['models'][m]['reused_from']}`: {_label(m)} "
                      f"({_settings_words(_model_settings(result, m))}).")
     lines += ["", "## Timing", ""] + _timing_table(result, lens)
+    if result.get("turns"):
+        lines += ["", "## Taking turns: ratios to dense in the same round", "",
+                  f"All servers up at once; {s['rounds']} rounds, in each every model runs the prompt set once, "
+                  "the order rotated each round. The timing table above holds each model's median run; here each "
+                  "round's mean TTFT and TPOT are divided by dense's of the same round: median (quartiles) of "
+                  "those ratios.", ""] + _turns_table(result, lens)
     lines += ["", "## Prefill FLOPs (computed) next to measured TTFT", "",
               "Ratios are speed-ups: `X/this` > 1 means this configuration needs fewer FLOPs / less time than X. "
               "`TTFT ratio ÷ FLOPs ratio` = 1 when the measured time follows the model FLOPs; < 1 when the "
@@ -643,6 +808,10 @@ def parse_args(argv):
                         help="run each prompt set this many times untimed first: with --prefix-caching the timed run "
                              "finds every prompt cached, so TPOT is the concurrent decode alone, free of which "
                              "requests vLLM's scheduler admitted before the shared prefix was cached")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="> 1: start every server first, then run each prompt length this many times, the models "
+                             "taking turns (order rotated each round); reports the median run and the per-round "
+                             "ratios to dense (their median and quartiles)")
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS),
                         help="server configurations to run, in this order (default: all)")
     parser.add_argument("--reuse", type=Path, metavar="JSON",
@@ -659,6 +828,10 @@ def parse_args(argv):
     if args.prompt_lens is None:
         args.prompt_lens = [256, 1024] if args.quick else [512, 2048, 4096]
     args.models = list(dict.fromkeys(args.models))  # run in the order given, each once
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    if args.rounds > 1 and "dense" not in args.models:
+        parser.error("--rounds compares each model with dense in the same round: include dense in --models")
     return args
 
 
@@ -757,8 +930,12 @@ def main(argv: list[str] | None = None) -> int:
               "notes": [NOTE_IMPL, NOTE_PREFIX, NOTE_VLLM_KV], "models": {}}
     if args.reuse:
         result["models"].update(reused_records(args.reuse, [m for m in MODELS if m not in args.models]))
-    for name in args.models:  # one server at a time
-        result["models"][name] = bench_model(name, ckpts[name], args, work)
+    if args.rounds > 1:  # every server up, the models taking turns
+        result["models"].update(bench_turns(args.models, ckpts, args, work))
+        result["turns"] = turn_ratios(result["models"], args.prompt_lens)
+    else:
+        for name in args.models:  # one server at a time
+            result["models"][name] = bench_model(name, ckpts[name], args, work)
     result["models"] = {m: result["models"][m] for m in MODELS if m in result["models"]}
     result["wall_s"] = (datetime.datetime.now() - start).total_seconds()
     result["machine"]["loadavg_1_5_15_at_end"] = os.getloadavg()
