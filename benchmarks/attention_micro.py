@@ -16,9 +16,10 @@ Shapes are the `small` presets' (HySparse: 12 heads, 4 KV groups, D 64, 16 block
 HySparse2: 12 heads, MQA, D 64, 1024 tokens + a 128 window). Every role runs the batched
 PyTorch path that serves on CPU (`csrc_triton/*/batched.py`) on a paged cache of 128-token
 pages; the baseline is vLLM's C++ CPU kernel (`cpu_attention_with_kv_cache`) on the same
-context in its own cache layout, at the same KV group count. Also timed: the metrics'
-`pages_touched` per oracle layer (their cost with metrics on). Median of `--reps` after a
-warm-up. Writes `benchmarks/results/attention_micro_<date>_<HHMM>.{json,md}` and prints the table.
+context in its own cache layout, at the same KV group count. Also timed: the pages-per-query
+counters of one oracle layer as served (`PagesPerQueryStats.add`, the C++ counter; their cost with
+metrics on; before 2026-12-07 this row timed the PyTorch twin). Median of `--reps` after a warm-up.
+Writes `benchmarks/results/attention_micro_<date>_<HHMM>.{json,md}` and prints the table.
 """
 
 import argparse
@@ -42,7 +43,7 @@ from csrc_triton.paged_batch import make_plan
 from csrc_triton.testing import make_paged_batch
 from csrc_triton.token_oracle.batched import token_oracle_attention_batched
 from csrc_triton.token_sparse.batched import token_sparse_attention_batched
-from vllm_hysparse.metrics import pages_touched
+from vllm_hysparse.metrics import PagesPerQueryStats
 from vllm_hysparse.tools.harness import machine_info
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -207,12 +208,14 @@ def hysparse_roles(num_reqs, ctx, reps):
     def oracle():
         return oracle_attention_batched(*args, scale=0.125, sparse_block_size=s["block"], topk=s["topk"], plan=plan)
 
+    stats = PagesPerQueryStats()  # no METRICS_DIR here: nothing is published
+    stats.enabled = True
     return {
         "oracle (tiled C++)": median_ms(oracle, reps),
         "oracle (previous path)": median_ms(previous_oracle(oracle), reps),
         "block_sparse": median_ms(lambda: block_sparse_attention_batched(
             *args, ids, scale=0.125, sparse_block_size=s["block"], sinks=sinks, plan=plan), reps),
-        "metrics (pages_touched)": median_ms(lambda: pages_touched(ids, plan.row_pos, s["block"], PAGE), reps),
+        "metrics (pages per query, as served)": median_ms(lambda: stats.add(ids, plan.row_pos, s["block"], PAGE), reps),
         "dense (vLLM CPU, G=4)": vllm_dense(num_reqs, ctx, s["heads"], s["groups"], s["dim"], reps),
     }
 
