@@ -43,6 +43,7 @@ from vllm_hysparse.tools.harness import (
     machine_info,
     pages_per_query,
     parse_metrics,
+    percentile,
     running_server,
     serve_env,
     server_env_settings,
@@ -369,14 +370,14 @@ def bench_turns(names: list[str], ckpts: dict, args, work: Path) -> dict:
         for n in args.prompt_lens:
             before = {}
             for name in live:
-                proc, root = servers[name]
+                _, root = servers[name]
                 run = records[name]["runs"][str(n)] = {"input_len": n, "rounds": []}
                 before[name] = parse_metrics(http_get(f"{root}/metrics"))
                 bcmd, warm, _ = bench_commands(name, ckpts[name], root, n, args, work, tag="_r0")
                 run["bench_command"] = shlex.join(bcmd)
                 for w in warm:  # every prompt cached before any timed round (prefix caching)
                     subprocess.run(w, capture_output=True, text=True, timeout=args.bench_timeout)
-            for r in range(args.rounds):
+            for r in range(args.rounds if live else 0):
                 for name in live[r % len(live):] + live[:r % len(live)]:
                     proc, root = servers[name]
                     run = records[name]["runs"][str(n)]
@@ -386,15 +387,13 @@ def bench_turns(names: list[str], ckpts: dict, args, work: Path) -> dict:
                     if not bench_once(name, proc, n, bcmd, result_file, args, logs[name], one, records[name]):
                         live.remove(name)
                     run["rounds"].append(one)
-            for name in records:
-                run = records[name]["runs"].get(str(n))
-                if run is None or name not in servers:
-                    continue
+            for name in before:  # the servers this length started on
+                proc, root = servers[name]
+                run = records[name]["runs"][str(n)]
                 benches = [one["bench"] for one in run["rounds"] if "bench" in one]
                 if benches:
                     run["bench"] = median_bench(benches)
-                    _, root = servers[name]
-                    if servers[name][0].poll() is None:
+                    if proc.poll() is None:
                         run["pages"] = pages_per_query(before[name], parse_metrics(http_get(f"{root}/metrics")))
     for name, record in records.items():
         finish_record(name, record, logs[name], args)
@@ -493,24 +492,14 @@ def _timing_table(result: dict, lens: list[int]) -> list[str]:
     return lines
 
 
-def quartiles(values: list[float]) -> tuple[float, float, float] | None:
-    """(first quartile, median, third quartile), or None for no values."""
-    if not values:
-        return None
-    if len(values) == 1:
-        return values[0], values[0], values[0]
-    q1, med, q3 = statistics.quantiles(values, n=4, method="inclusive")
-    return q1, med, q3
-
-
 def _turns_table(result: dict, lens: list[int]) -> list[str]:
     lines = ["| prompt | model | rounds | TTFT / dense | TPOT / dense |", "| ---: | --- | ---: | ---: | ---: |"]
     for n in lens:
         for m, ratios in (_at(result["turns"], n) or {}).items():
             cells = []
             for key in ("mean_ttft_ms", "mean_tpot_ms"):
-                q = quartiles(ratios[key])
-                cells.append("—" if q is None else f"{q[1]:.2f}× ({q[0]:.2f}–{q[2]:.2f})")
+                q1, med, q3 = (percentile(ratios[key], q) for q in (25, 50, 75))
+                cells.append("—" if med is None else f"{med:.2f}× ({q1:.2f}–{q3:.2f})")
             lines.append(f"| {n} | {_label(m)} | {len(ratios['mean_tpot_ms'])} | {cells[0]} | {cells[1]} |")
     return lines
 
@@ -931,8 +920,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.reuse:
         result["models"].update(reused_records(args.reuse, [m for m in MODELS if m not in args.models]))
     if args.rounds > 1:  # every server up, the models taking turns
-        result["models"].update(bench_turns(args.models, ckpts, args, work))
-        result["turns"] = turn_ratios(result["models"], args.prompt_lens)
+        measured = bench_turns(args.models, ckpts, args, work)
+        result["models"].update(measured)
+        result["turns"] = turn_ratios(measured, args.prompt_lens)  # not the --reuse records: they have no rounds
     else:
         for name in args.models:  # one server at a time
             result["models"][name] = bench_model(name, ckpts[name], args, work)

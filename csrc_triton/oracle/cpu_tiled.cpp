@@ -269,7 +269,7 @@ void run_task(const Problem& pb, const Task& tk, Partials& parts, std::vector<fl
     const int64_t count = std::min(OKEYS, tk.keys - k0);
     // Keys, values and blocks of the tile, with two divisions per tile instead of two per key (and one per key
     // and query vector for the blocks). `tile_keys` walks the pages alone; this walk also finds the tile's values
-    // and block runs in the same pass (in one A/B, two passes looked 0-15% slower on a prefill chunk: noise-level).
+    // and block runs in the same pass (two passes: 497 and 506 ms against 470 and 413 on a 2,048-row 8k prefill chunk).
     int64_t nruns = 0;  // the tile's runs of keys in one block: keys [run_at[x], run_at[x + 1]) are in block run_b[x]
     for (int64_t j = 0, pg = k0 / pb.page, off = k0 - pg * pb.page, b = k0 / pb.block, boff = k0 - b * pb.block;
          j < count; ++j) {
