@@ -12,11 +12,16 @@ so one run gives the before/after ratio. The HySparse2 token oracle too: the til
 the C++ selection (`csrc_triton/token_oracle/cpu_select.cpp`) for every row, and the previous path
 (the one-pass C++ kernel's logits for decode rows, PyTorch GEMMs for prefill rows, selection in PyTorch).
 
-Shapes are the `small` presets' (HySparse: 12 heads, 4 KV groups, D 64, 16 blocks of 64;
+Shapes are the `small` presets' (HySparse: 12 heads, 4 KV groups, D 64, 16 blocks of 64, a 128 window;
 HySparse2: 12 heads, MQA, D 64, 1024 tokens + a 128 window). Every role runs the batched
 PyTorch path that serves on CPU (`csrc_triton/*/batched.py`) on a paged cache of 128-token
 pages; the baseline is vLLM's C++ CPU kernel (`cpu_attention_with_kv_cache`) on the same
-context in its own cache layout, at the same KV group count. Also timed: the pages-per-query
+context in its own cache layout, at the same KV group count (KV splitting as vLLM's `VLLM_CPU_ATTN_SPLIT_KV`,
+on by default; results up to 2026-12-07_0445 ran it off). Rows `sparse layer`: a HySparse sparse layer's whole
+attention as served (window K/V write, the window branch on vLLM's sliding-window kernel, the global branch on
+the C++ block-sparse kernel, both with sinks, the gate mix) against a dense layer's (K/V write and attention),
+decode and prefill (a layer's attention without its projections and MLP, which `layer_breakdown.py` times in
+the engine), each part alone too, all with the CPU caches evicted before each call. Also timed: the pages-per-query
 counters of one oracle layer as served (`PagesPerQueryStats.add`, the C++ counter; their cost with
 metrics on; before 2026-12-07 this row timed the PyTorch twin). Median of `--reps` after a warm-up.
 Writes `benchmarks/results/attention_micro_<date>_<HHMM>.{json,md}` and prints the table.
@@ -37,7 +42,7 @@ import torch
 import csrc_triton.oracle.batched as oracle_batched
 import csrc_triton.token_oracle.batched as token_oracle_batched
 from csrc_triton import cpu_ext
-from csrc_triton.block_sparse.batched import block_sparse_attention_batched
+from csrc_triton.block_sparse.batched import bind_block_sparse, block_sparse_attention_batched
 from csrc_triton.oracle.batched import oracle_attention_batched
 from csrc_triton.paged_batch import make_plan
 from csrc_triton.testing import make_paged_batch
@@ -48,14 +53,25 @@ from vllm_hysparse.tools.harness import machine_info
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 PAGE = 128
-HYSPARSE = dict(heads=12, groups=4, dim=64, block=64, topk=16)
+HYSPARSE = dict(heads=12, groups=4, dim=64, block=64, topk=16, window=128)
 HYSPARSE2 = dict(heads=12, groups=1, dim=64, topk=1024, window=128)
 
 
-def median_ms(fn, reps: int) -> float:
+_EVICT = None  # 64 MiB, twice this machine's 32 MiB L3
+
+
+def median_ms(fn, reps: int, cold: bool = False) -> float:
+    """Median ms of `fn` over `reps` calls after a warm-up; `cold` writes over 64 MiB before each call (untimed), so
+    that the call finds its cache pages and buffers outside the CPU caches, as in an engine step, where the other
+    layers' weights and caches pass between two calls of one layer."""
+    global _EVICT
+    if cold and _EVICT is None:
+        _EVICT = torch.zeros(16 << 20)
     fn()
     times = []
     for _ in range(reps):
+        if cold:
+            _EVICT.add_(1.0)
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
@@ -80,25 +96,101 @@ def paged_batch(num_reqs, ctx, groups, dim, seed=0, q_len=1):
     return batch.kv, table, batch.query_start_loc, batch.seq_lens_t
 
 
-def vllm_dense(num_reqs, ctx, heads, groups, dim, reps, q_len=1):
-    """vLLM's CPU attention over `ctx` keys per request (its own cache layout), `q_len` causal rows each."""
+def vllm_layer(num_reqs, ctx, heads, groups, dim, q_len=1, window=-1, seed=0, out=None):
+    """vLLM's CPU attention of one layer over `ctx` keys per request (its own cache layout), `q_len` causal rows
+    each, `window` (-1: none) with sinks, into `out` (a new `[n, H, D]` buffer by default): `(write, attend)`, the
+    layer's K/V write of the step's new rows (`cpu_attn_reshape_and_cache`) and its attention
+    (`cpu_attention_with_kv_cache`), as vLLM's `CPU_ATTN` backend runs them (vllm/v1/attention/backends/cpu_attn.py).
+    The scheduler metadata is built here, once per step in vLLM's metadata builder, not per layer; KV splitting as
+    vLLM's `VLLM_CPU_ATTN_SPLIT_KV`."""
     from vllm import _custom_ops as ops
+    from vllm import envs
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    kv, table, qsl, seq_lens = paged_batch(num_reqs, ctx, groups, dim, q_len=q_len)
-    cache = kv.view(kv.shape[0], groups, PAGE * 2, dim)
-    key_cache, value_cache = cache.chunk(2, dim=2)
-    q = torch.randn(num_reqs * q_len, heads, dim)
-    out = torch.empty_like(q)
+    kv, table, qsl, seq_lens = paged_batch(num_reqs, ctx, groups, dim, seed=seed, q_len=q_len)
+    key_cache, value_cache = kv.view(kv.shape[0], groups, PAGE * 2, dim).chunk(2, dim=2)
+    n = num_reqs * q_len
+    q = torch.randn(n, heads, dim)
+    key, value = torch.randn(n, groups, dim), torch.randn(n, groups, dim)
+    pos = (seq_lens.repeat_interleave(q_len) - q_len + torch.arange(q_len).repeat(num_reqs)).long()
+    req = torch.arange(num_reqs).repeat_interleave(q_len)
+    slots = table[req, pos // PAGE].long() * PAGE + pos % PAGE
+    out = torch.empty_like(q) if out is None else out
+    sinks = torch.zeros(heads) if window > 0 else None
     isa = _get_attn_isa(torch.float32, PAGE, dim)
-    meta = ops.cpu_attn_get_scheduler_metadata(num_reqs, heads, groups, dim, seq_lens, torch.float32, qsl, True, -1,
-                                               isa, False)
+    meta = ops.cpu_attn_get_scheduler_metadata(num_reqs, heads, groups, dim, seq_lens, torch.float32, qsl, True, window,
+                                               isa, envs.VLLM_CPU_ATTN_SPLIT_KV)
 
-    def step():
-        ops.cpu_attention_with_kv_cache(q, key_cache, value_cache, out, qsl, seq_lens, dim ** -0.5, True, None, -1,
-                                        table, 0.0, meta, None)
+    def write():
+        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
 
-    return median_ms(step, reps)
+    def attend():
+        ops.cpu_attention_with_kv_cache(q, key_cache, value_cache, out, qsl, seq_lens, dim ** -0.5, True, None, window,
+                                        table, 0.0, meta, sinks)
+        return out
+
+    return write, attend
+
+
+def vllm_dense(num_reqs, ctx, heads, groups, dim, reps, q_len=1):
+    """vLLM's CPU attention over `ctx` keys per request (its own cache layout), `q_len` causal rows each."""
+    return median_ms(vllm_layer(num_reqs, ctx, heads, groups, dim, q_len=q_len)[1], reps)
+
+
+def hysparse_layers(num_reqs, ctx, reps, q_len=1):
+    """A HySparse sparse layer's attention as served, both branches, against a dense layer's.
+
+    Sparse: the window branch's K/V write and attention (vLLM's CPU sliding-window attention over the layer's
+    own cache, with sinks), the global branch (the C++ block-sparse kernel over the oracle's blocks of the shared
+    cache, with sinks) and the gate mix (`apply_gate`'s sigmoid-times-output, both branches summed). Dense: the
+    layer's K/V write and vLLM's attention over the whole context. Per-step work (the oracle's selection, our
+    plan, vLLM's scheduler metadata) is outside both. `q_len` rows per request (a prefill chunk: one request).
+    Timed cold (`median_ms(cold=True)`): repeated warm, the dense layer's one cache stays in the 32 MiB L3 at 512
+    tokens while the sparse layer's two caches evict each other, which no engine step sees.
+    """
+    s = HYSPARSE
+    kv, table, qsl, seq_lens = paged_batch(num_reqs, ctx, s["groups"], s["dim"], q_len=q_len)
+    n = num_reqs * q_len
+    q = torch.randn(n, s["heads"], s["dim"])
+    plan = make_plan(qsl, seq_lens, n, q.device)
+    args = (q, kv[..., :s["dim"]], kv[..., s["dim"]:], table, qsl, seq_lens)
+    _, ids = oracle_attention_batched(*args, scale=0.125, sparse_block_size=s["block"], topk=s["topk"], plan=plan)
+    sinks = torch.zeros(s["heads"])
+    gates = torch.randn(n, 2 * s["heads"] * s["dim"])  # elementwise gates of both branches (`small`)
+    run = bind_block_sparse(q, args[1], args[2], scale=0.125, sparse_block_size=s["block"], sinks=sinks)
+    assert run is not None, "the C++ block-sparse kernel is not built"
+    out = torch.empty(2, n, s["heads"], s["dim"])  # both branches' rows in one buffer, as the fused op writes them
+    write, window = vllm_layer(num_reqs, ctx, s["heads"], s["groups"], s["dim"], q_len=q_len, window=s["window"],
+                               seed=2, out=out[1])
+    dense_write, dense = vllm_layer(num_reqs, ctx, s["heads"], s["groups"], s["dim"], q_len=q_len, seed=3)
+
+    def window_branch():
+        write()
+        window()
+
+    def gate_mix():
+        o_sparse, o_swa = out.view(2, n, -1).unbind(0)
+        g_sparse, g_swa = gates.chunk(2, dim=-1)
+        return g_sparse.sigmoid() * o_sparse + g_swa.sigmoid() * o_swa
+
+    def sparse_layer():
+        window_branch()
+        run(q, table, plan, out[0], ids)
+        return gate_mix()
+
+    def dense_layer():
+        dense_write()
+        return dense()
+
+    label = "sparse layer" if q_len == 1 else f"prefill {q_len} rows, sparse layer"
+    def timed(fn):
+        return median_ms(fn, reps, cold=True)
+
+    return {f"{label}: HySparse (both branches, sinks, window write, gate mix)": timed(sparse_layer),
+            f"{label}: its global branch alone (C++)": timed(lambda: run(q, table, plan, out[0], ids)),
+            f"{label}: its window branch alone (K/V write + vLLM CPU sliding window)": timed(window_branch),
+            f"{label}: its gate mix alone (eager; compiled when served)": timed(gate_mix),
+            f"{label}: dense layer (K/V write + vLLM CPU attention, G=4)": timed(dense_layer)}
 
 
 def without(module, finder: str, fn):
@@ -281,8 +373,11 @@ def main(argv=None) -> int:
     for ctx in args.contexts:
         result["contexts"][ctx] = {"HySparse": hysparse_roles(args.num_reqs, ctx, args.reps),
                                    "HySparse2": hysparse2_roles(args.num_reqs, ctx, args.reps)}
+        result["contexts"][ctx]["HySparse"].update(hysparse_layers(args.num_reqs, ctx, args.reps))
         if args.prefill_rows:
             result["contexts"][ctx]["HySparse prefill"] = hysparse_prefill(ctx, args.prefill_rows, args.reps)
+            result["contexts"][ctx]["HySparse prefill"].update(
+                hysparse_layers(1, ctx, args.reps, q_len=min(args.prefill_rows, ctx)))
             result["contexts"][ctx]["HySparse2 prefill"] = hysparse2_prefill(ctx, args.prefill_rows, args.reps)
     text = markdown(result)
     print(text)

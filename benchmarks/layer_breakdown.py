@@ -52,6 +52,9 @@ PREFIX = "bd:"  # names of our profiler ranges
 TIMED = ("qkv_proj", "q_swa_kv_proj", "q_proj", "kv_proj", "o_proj", "gate_proj", "gate_up_proj", "down_proj",
          "act_fn", "rotary_emb", "q_norm", "k_norm", "swa_k_norm", "attn", "swa_attn", "bridge",
          "input_layernorm", "post_attention_layernorm")
+# Inside a HySparse sparse layer's one attention op (`fused_window`): its window branch, the SWA cache write and
+# vLLM's attention (`HySparseAttentionImpl._window_branch`); counted once per such layer.
+WINDOW_RANGE = "window branch (inside each sparse attention op)"
 
 
 def attention_roles(module) -> str:
@@ -98,6 +101,9 @@ def install_ranges(model) -> tuple[list, dict[str, int]]:
     for layer in layers:
         kind = layer_kind(layer)
         counts[kind] += 1
+        fused = sum(getattr(getattr(m, "impl", None), "fused_window", None) is not None for m in layer.modules())
+        if fused:
+            counts[WINDOW_RANGE] += fused
         wrap(layer, f"{kind}")
         for name, m in layer.named_modules():
             leaf = name.split(".")[-1]
@@ -111,10 +117,11 @@ def install_ranges(model) -> tuple[list, dict[str, int]]:
 
 @contextlib.contextmanager
 def patched_ranges():
-    """Profiler ranges around host work outside the model: metadata builders and our metrics."""
+    """Profiler ranges around host work outside the model (metadata builders, our metrics) and around the window
+    branch inside a HySparse sparse layer's attention op."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
 
-    from vllm_hysparse.attention.backend import HySparseMetadataBuilder
+    from vllm_hysparse.attention.backend import HySparseAttentionImpl, HySparseMetadataBuilder
     from vllm_hysparse.metrics import PagesPerQueryStats
 
     saved = []
@@ -132,6 +139,7 @@ def patched_ranges():
     patch(HySparseMetadataBuilder, "build", "host/metadata build (HySparse)")
     patch(CPUAttentionMetadataBuilder, "build", "host/metadata build (vLLM CPU)")
     patch(PagesPerQueryStats, "add", "metrics (pages touched)")
+    patch(HySparseAttentionImpl, "_window_branch", WINDOW_RANGE)
     try:
         yield
     finally:
