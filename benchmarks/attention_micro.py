@@ -18,8 +18,9 @@ PyTorch path that serves on CPU (`csrc_triton/*/batched.py`) on a paged cache of
 pages; the baseline is vLLM's C++ CPU kernel (`cpu_attention_with_kv_cache`) on the same
 context in its own cache layout, at the same KV group count (KV splitting as vLLM's `VLLM_CPU_ATTN_SPLIT_KV`,
 on by default; results up to 2026-12-07_0445 ran it off). Rows `sparse layer`: a HySparse sparse layer's whole
-attention as served (window K/V write, the window branch on vLLM's sliding-window kernel, the global branch on
-the C++ block-sparse kernel, both with sinks, the gate mix) against a dense layer's (K/V write and attention),
+attention as served (window K/V write, the window branch on the C++ window walk, the global branch on the C++
+block-sparse kernel, both with sinks, the gate mix; and with the window branch on vLLM's sliding-window kernel, as
+served before 2026-12-07) against a dense layer's (K/V write and attention),
 decode and prefill (a layer's attention without its projections and MLP, which `layer_breakdown.py` times in
 the engine), each part alone too, all with the CPU caches evicted before each call. Also timed: the pages-per-query
 counters of one oracle layer as served (`PagesPerQueryStats.add`, the C++ counter; their cost with
@@ -48,6 +49,8 @@ from csrc_triton.paged_batch import make_plan
 from csrc_triton.testing import make_paged_batch
 from csrc_triton.token_oracle.batched import token_oracle_attention_batched
 from csrc_triton.token_sparse.batched import token_sparse_attention_batched
+from csrc_triton.window import bind_window
+from vllm_hysparse.attention.paged import bind_write_kv
 from vllm_hysparse.metrics import PagesPerQueryStats
 from vllm_hysparse.tools.harness import machine_info
 
@@ -140,8 +143,9 @@ def vllm_dense(num_reqs, ctx, heads, groups, dim, reps, q_len=1):
 def hysparse_layers(num_reqs, ctx, reps, q_len=1):
     """A HySparse sparse layer's attention as served, both branches, against a dense layer's.
 
-    Sparse: the window branch's K/V write and attention (vLLM's CPU sliding-window attention over the layer's
-    own cache, with sinks), the global branch (the C++ block-sparse kernel over the oracle's blocks of the shared
+    Sparse: the window branch's K/V write and attention over the layer's own cache with sinks (the C++ window walk,
+    `csrc_triton/window.py`, as served on CPU since 2026-12-07; and vLLM's CPU sliding-window attention, as served
+    before, in rows of its own), the global branch (the C++ block-sparse kernel over the oracle's blocks of the shared
     cache, with sinks) and the gate mix (`apply_gate`'s sigmoid-times-output, both branches summed). Dense: the
     layer's K/V write and vLLM's attention over the whole context. Per-step work (the oracle's selection, our
     plan, vLLM's scheduler metadata) is outside both. `q_len` rows per request (a prefill chunk: one request).
@@ -160,21 +164,31 @@ def hysparse_layers(num_reqs, ctx, reps, q_len=1):
     run = bind_block_sparse(q, args[1], args[2], scale=0.125, sparse_block_size=s["block"], sinks=sinks)
     assert run is not None, "the C++ block-sparse kernel is not built"
     out = torch.empty(2, n, s["heads"], s["dim"])  # both branches' rows in one buffer, as the fused op writes them
-    write, window = vllm_layer(num_reqs, ctx, s["heads"], s["groups"], s["dim"], q_len=q_len, window=s["window"],
-                               seed=2, out=out[1])
+    wkv, wtable, _, _ = paged_batch(num_reqs, ctx, s["groups"], s["dim"], seed=2, q_len=q_len)
+    writer = bind_write_kv(wkv[..., :s["dim"]], wkv[..., s["dim"]:])
+    key, value = torch.randn(n, s["groups"], s["dim"]), torch.randn(n, s["groups"], s["dim"])
+    slots = wtable[plan.row_req, plan.row_pos // PAGE].long() * PAGE + plan.row_pos % PAGE
+    window = bind_window(q, wkv[..., :s["dim"]], wkv[..., s["dim"]:], scale=0.125, sinks=sinks, window=s["window"])
+    assert window is not None, "the C++ window walk is not built"
+    vllm_write, vllm_window = vllm_layer(num_reqs, ctx, s["heads"], s["groups"], s["dim"], q_len=q_len,
+                                         window=s["window"], seed=2, out=out[1])
     dense_write, dense = vllm_layer(num_reqs, ctx, s["heads"], s["groups"], s["dim"], q_len=q_len, seed=3)
 
     def window_branch():
-        write()
-        window()
+        writer(key, value, slots)
+        window(q, wtable, plan, out[1])
+
+    def vllm_window_branch():
+        vllm_write()
+        vllm_window()
 
     def gate_mix():
         o_sparse, o_swa = out.view(2, n, -1).unbind(0)
         g_sparse, g_swa = gates.chunk(2, dim=-1)
         return g_sparse.sigmoid() * o_sparse + g_swa.sigmoid() * o_swa
 
-    def sparse_layer():
-        window_branch()
+    def sparse_layer(branch=window_branch):
+        branch()
         run(q, table, plan, out[0], ids)
         return gate_mix()
 
@@ -183,12 +197,16 @@ def hysparse_layers(num_reqs, ctx, reps, q_len=1):
         return dense()
 
     label = "sparse layer" if q_len == 1 else f"prefill {q_len} rows, sparse layer"
+
     def timed(fn):
         return median_ms(fn, reps, cold=True)
 
     return {f"{label}: HySparse (both branches, sinks, window write, gate mix)": timed(sparse_layer),
+            f"{label}: HySparse, window on vLLM's kernel (served before 2026-12-07)":
+                timed(lambda: sparse_layer(vllm_window_branch)),
             f"{label}: its global branch alone (C++)": timed(lambda: run(q, table, plan, out[0], ids)),
-            f"{label}: its window branch alone (K/V write + vLLM CPU sliding window)": timed(window_branch),
+            f"{label}: its window branch alone (K/V write + C++ window walk)": timed(window_branch),
+            f"{label}: its window branch on vLLM's CPU sliding window (before)": timed(vllm_window_branch),
             f"{label}: its gate mix alone (eager; compiled when served)": timed(gate_mix),
             f"{label}: dense layer (K/V write + vLLM CPU attention, G=4)": timed(dense_layer)}
 

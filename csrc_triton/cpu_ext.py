@@ -26,7 +26,7 @@ _SOURCES = {"oracle_decode": Path(__file__).parent / "oracle" / "cpu_decode.cpp"
             "sparse": Path(__file__).parent / "cpu_sparse.cpp",
             "token_select": Path(__file__).parent / "token_oracle" / "cpu_select.cpp"}
 # The ops each library registers under its own namespace (`torch.ops.<module name>`).
-_OPS = {"oracle_decode": ("paged_decode",), "oracle_tiled": ("oracle_tiled", "oracle_tiled_reduced"),
+_OPS = {"oracle_decode": ("paged_decode",), "oracle_tiled": ("oracle_tiled", "oracle_tiled_reduced", "window_tiled"),
         "sparse": ("paged_sparse", "add_pages_touched", "write_pages"),
         "token_select": ("token_select", "token_select_probs")}
 NAMES = tuple(_SOURCES)

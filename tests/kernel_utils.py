@@ -128,3 +128,13 @@ def share_pages(batch: PagedBatch, shares: dict[int, tuple[int, int]]) -> None:
     for req, (src, pages) in shares.items():
         assert pages * page_size <= min(batch.seq_lens[req], batch.seq_lens[src])
         batch.block_table[req, :pages] = batch.block_table[src, :pages]
+
+
+def share_prefix(batch: PagedBatch, shares: dict[int, tuple[int, int]]) -> None:
+    """`share_pages`, and each sharing request's reference keys and values (`batch.keys` / `batch.values`) made what
+    its shared pages now hold: the other request's."""
+    share_pages(batch, shares)
+    page_size = batch.k_cache.shape[2]
+    for req, (src, pages) in shares.items():
+        batch.keys[req][:pages * page_size] = batch.keys[src][:pages * page_size]
+        batch.values[req][:pages * page_size] = batch.values[src][:pages * page_size]

@@ -24,6 +24,10 @@
 // core would run it while the others wait (HySparse2, one group: 9.5 ms for eight rows on a 32k prompt, with one
 // thread or two): the prefix is then cut into parts along its keys, one task each, merged the same way; so is a
 // lone decode row of a long context when the step has too few tasks for the threads.
+//
+// Sliding windows (`window_tiled`, HySparse's SWA branch): the same walk over the one key range a tile of rows'
+// windows cover, each query vector skipping the keys before its window as it skips those after its position, with
+// sinks and no block scores.
 
 // ATen and op registration only, not torch/extension.h: see cpu_ext.py.
 #include <ATen/Parallel.h>
@@ -61,6 +65,9 @@ constexpr int64_t QCHUNK = 16;
 // A shared prefix (or a lone long row) is cut into parts until the step has two tasks per thread, none shorter
 // than this many keys (a part's state is merged once per row, query vector and part), at most MAX_PREFIX_PARTS.
 constexpr int64_t PREFIX_PART_MIN_KEYS = 2048, MAX_PREFIX_PARTS = 16;
+// Rows per task of a sliding window: a tile of r consecutive rows walks window + r - 1 keys, of which each row
+// attends `window`, so taller tiles waste more scores than they save in transposes.
+constexpr int64_t WINDOW_TILE_ROWS = 32;
 
 inline int64_t tile_rows(int64_t rows, int64_t groups, bool logits) {
   if (logits) return ORACLE_MIN_TILE_ROWS;
@@ -83,6 +90,8 @@ struct Problem {
   bool reduce_sum;      // with `reduced`: R = sum over the group's heads, else max
   int64_t heads, groups, page, block, topk, n_scores, max_len, s_page, s_group, s_tok, s_bt, s_q, s_ids;
   float scale;
+  int64_t window = 0;            // > 0: each row attends only [pos - window + 1, pos] (`window_tiled`)
+  const float* sinks = nullptr;  // [H] sink logits (`window_tiled`), or none
 };
 
 struct Task {
@@ -150,7 +159,12 @@ void finish_row(const Problem& pb, int64_t row, int64_t group, const float* m, c
   const int64_t n_vis = pb.pos[row] / pb.block + 1;  // blocks holding at least one visible key
   std::fill(score, score + n_vis, 0.f);
   for (int64_t p = 0; p < per_group; ++p) {
-    const float inv = 1.f / l[p], lse = m[p] + std::log(l[p]);
+    const float lse = m[p] + std::log(l[p]);
+    float inv = 1.f / l[p];
+    if (pb.sinks != nullptr) {  // the sink joins the denominator, in a stable form (as the sparse kernel's rows)
+      const float sink = pb.sinks[group * per_group + p], top = std::max(m[p], sink), keep = std::exp(m[p] - top);
+      inv = keep / (l[p] * keep + std::exp(sink - top));
+    }
     float* o = pb.out + (row * pb.heads + group * per_group + p) * DIM;
     for (int d = 0; d < DIM; ++d) o[d] = acc[p * DIM + d] * inv;
     for (int64_t b = 0; b < n_vis; ++b) score[b] = std::max(score[b], std::exp(u[p * nb + b] - lse));
@@ -235,7 +249,7 @@ void run_task(const Problem& pb, const Task& tk, Partials& parts, std::vector<fl
   const int64_t nb = (tk.keys + pb.block - 1) / pb.block;
   const bool direct = nq <= DIRECT_MAX;
   // scratch: queries, transposed keys, a chunk's scores, accumulators, running max / sum, block maxima, limits
-  const size_t need = nq * DIM + DIM * OKEYS + QCHUNK * OKEYS + nq * DIM + 2 * nq + nq * nb + nq;
+  const size_t need = nq * DIM + DIM * OKEYS + QCHUNK * OKEYS + nq * DIM + 2 * nq + nq * nb + 2 * nq;
   if (buf.size() < need) buf.resize(need);
   float* qs = buf.data();
   float* kt = qs + nq * DIM;
@@ -245,6 +259,7 @@ void run_task(const Problem& pb, const Task& tk, Partials& parts, std::vector<fl
   float* l = m + nq;
   float* u = l + nq;
   float* lim = u + nq * nb;  // each query vector's position, as a float index bound
+  float* low = lim + nq;     // its first key: 0, or its window's first position
   const float* kp[OKEYS];
   const float* vp[OKEYS];
   int64_t run_at[OKEYS + 1], run_b[OKEYS];
@@ -257,6 +272,7 @@ void run_task(const Problem& pb, const Task& tk, Partials& parts, std::vector<fl
       float* dst = qs + (r * per_group + p) * DIM;
       for (int d = 0; d < DIM; ++d) dst[d] = src[d] * pb.scale;
       lim[r * per_group + p] = static_cast<float>(pb.pos[row]);
+      low[r * per_group + p] = static_cast<float>(pb.window > 0 ? std::max<int64_t>(0, pb.pos[row] - pb.window + 1) : 0);
     }
   }
   std::fill(acc, acc + nq * DIM, 0.f);
@@ -287,9 +303,11 @@ void run_task(const Problem& pb, const Task& tk, Partials& parts, std::vector<fl
       int64_t na = 0;
       for (int64_t i = c0; i < c1; ++i) {
         const int64_t visible = std::min<int64_t>(count, static_cast<int64_t>(lim[i]) - k0 + 1);
-        if (visible <= 0) continue;  // every key of the tile is past this row
+        const int64_t before = static_cast<int64_t>(low[i]) - k0;  // keys of the tile before the row's window
+        if (visible <= 0 || before >= visible) continue;  // every key of the tile is past or before this row
         float* si = s + (i - c0) * OKEYS;
         float* ui = u + i * nb;
+        for (int64_t j = 0; j < before; ++j) si[j] = NEG_INF;
         // Each block's running maximum, a run at a time in a register: one store per run, not a dependent
         // load and store per key (that chain took a third of a prefill tile).
         float mt = m[i];
@@ -381,7 +399,8 @@ void run_all(const Problem& pb, const std::vector<Task>& tasks, Partials& parts)
 // Both ops' checks, tasks and run (see `oracle_tiled` and `oracle_tiled_reduced` below).
 void run_oracle(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table, const at::Tensor& reqs,
                 const at::Tensor& pos, int64_t block, int64_t topk, double scale, at::Tensor& out, at::Tensor& ids,
-                at::Tensor& scores, at::Tensor& logits, at::Tensor& lse, at::Tensor& reduced, bool reduce_sum) {
+                at::Tensor& scores, at::Tensor& logits, at::Tensor& lse, at::Tensor& reduced, bool reduce_sum,
+                int64_t window = 0, const float* sinks = nullptr) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1 && q.stride(1) == q.size(2),
               "q: expected [N, H, D] float32 with contiguous heads");
   TORCH_CHECK(kv.dim() == 4 && kv.scalar_type() == at::kFloat && kv.stride(3) == 1,
@@ -429,17 +448,25 @@ void run_oracle(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& blo
                    has_logits ? lse.data_ptr<float>() : nullptr, has_reduced ? reduced.data_ptr<float>() : nullptr,
                    reduce_sum, heads, groups, kv.size(2), block, topk, has_scores ? scores.size(2) : 0,
                    has_logits ? logits.size(2) : (has_reduced ? reduced.size(2) : 0), kv.stride(0), kv.stride(1),
-                   kv.stride(2), block_table.stride(0), q.stride(0), ids.stride(0), static_cast<float>(scale)};
+                   kv.stride(2), block_table.stride(0), q.stride(0), ids.stride(0), static_cast<float>(scale),
+                   window, sinks};
   // tiles of consecutive rows of one request (a request's rows are contiguous in a vLLM batch)
   const int64_t* rq = pb.reqs;
   const int64_t* ps = pb.pos;
   const int64_t page = pb.page;
   std::vector<Task> tasks;
   std::vector<int64_t> singles;  // rows alone in their tile (decode rows): candidates for a shared prefix
-  const int64_t tile = tile_rows(n, groups, has_logits);
+  const int64_t tile = window > 0 ? WINDOW_TILE_ROWS : tile_rows(n, groups, has_logits);
   for (int64_t r0 = 0; r0 < n;) {
     int64_t r1 = r0 + 1, last = ps[r0];
     while (r1 < n && r1 - r0 < tile && rq[r1] == rq[r0]) last = std::max(last, ps[r1++]);
+    if (window > 0) {  // a window walks its keys alone: no shared prefix, no split
+      int64_t first = last;
+      for (int64_t r = r0; r < r1; ++r) first = std::min(first, std::max<int64_t>(0, ps[r] - window + 1));
+      for (int64_t g = 0; g < groups; ++g) tasks.push_back({r0, r1 - r0, g, first, last + 1, nullptr, -1, 0});
+      r0 = r1;
+      continue;
+    }
     // (the second pass needs each row's final statistics in its own task: no split rows with `reduced`)
     if (r1 - r0 == 1 && ps[r0] + 1 >= SHARED_MIN_KEYS && !has_reduced) {
       singles.push_back(r0);
@@ -537,6 +564,26 @@ void oracle_tiled_reduced(at::Tensor q, at::Tensor kv, at::Tensor block_table, a
              reduce_sum);
 }
 
+// Sliding-window sink attention (HySparse's SWA branch): each row over its last `window` positions
+// [pos - window + 1, pos] of its request's pages, sinks [H] float32 (or empty) joining every row's softmax; out as
+// `oracle_tiled`'s, no selection.
+void window_tiled(at::Tensor q, at::Tensor kv, at::Tensor block_table, at::Tensor reqs, at::Tensor pos, int64_t window,
+                  double scale, at::Tensor sinks, at::Tensor out) {
+  TORCH_CHECK(window >= 1, "window_tiled: window must be positive");
+  const bool has_sinks = sinks.numel() > 0;
+  if (has_sinks) {
+    TORCH_CHECK(sinks.scalar_type() == at::kFloat && sinks.numel() == q.size(1), "sinks: expected [H] float32");
+    sinks = sinks.contiguous();
+  }
+  at::Tensor ids = at::empty({q.size(0), kv.size(1), 0}, q.options().dtype(at::kInt));
+  const at::TensorOptions f32 = q.options();
+  at::Tensor scores = at::empty({0}, f32), logits = at::empty({0}, f32), lse = at::empty({0}, f32);
+  at::Tensor reduced = at::empty({0}, f32);
+  // one block spanning every position: one run per key tile, one block maximum per query vector (unused)
+  run_oracle(q, kv, block_table, reqs, pos, std::numeric_limits<int32_t>::max(), 0, scale, out, ids, scores, logits,
+             lse, reduced, false, window, has_sinks ? sinks.data_ptr<float>() : nullptr);
+}
+
 }  // namespace
 
 #define HYSPARSE_DIM(D) D,
@@ -550,6 +597,9 @@ TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   // The token oracle's attention and reduced probabilities R, two passes per task (no per-head logits).
   m.def("oracle_tiled_reduced(Tensor q, Tensor kv, Tensor block_table, Tensor reqs, Tensor pos, float scale, "
         "bool reduce_sum, Tensor(a!) out, Tensor(b!) reduced) -> ()");
+  // Sliding-window sink attention of every row over its last `window` positions, one tiled pass.
+  m.def("window_tiled(Tensor q, Tensor kv, Tensor block_table, Tensor reqs, Tensor pos, int window, float scale, "
+        "Tensor sinks, Tensor(a!) out) -> ()");
   // The head dims the switch above compiles.
   m.def("supported_dims() -> int[]", &supported_dims);
 }
@@ -557,4 +607,5 @@ TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
 TORCH_LIBRARY_IMPL(TORCH_EXTENSION_NAME, CPU, m) {
   m.impl("oracle_tiled", &oracle_tiled);
   m.impl("oracle_tiled_reduced", &oracle_tiled_reduced);
+  m.impl("window_tiled", &window_tiled);
 }

@@ -10,7 +10,7 @@ import torch
 
 from csrc_triton.dense import dense_attention, dense_attention_batched
 from csrc_triton.oracle.batched import tiled_kernel
-from tests.kernel_utils import Case, dense_causal, nan_out, share_pages
+from tests.kernel_utils import Case, dense_causal, nan_out, share_prefix
 from tests.kernels import oracle_cases as orc
 from tests.kernels.test_oracle_tiled import CASES as TILED_CASES
 from tests.kernels.test_oracle_tiled import SHARED
@@ -52,11 +52,7 @@ def test_tiled_dense_shared_prefix(case, shares):
     seed = SEED + 100 + [c for c, _ in SHARED].index(case)
     print(f"seed {seed}")
     batch, q = orc.make_inputs(case, torch.float32, seed=seed)
-    share_pages(batch, shares)
-    page = batch.k_cache.shape[2]
-    for req, (src, pages) in shares.items():  # the reference reads what the shared pages hold: src's keys
-        batch.keys[req][:pages * page] = batch.keys[src][:pages * page]
-        batch.values[req][:pages * page] = batch.values[src][:pages * page]
+    share_prefix(batch, shares)  # the reference reads what the shared pages hold: the other request's keys
     check(case, batch, q, run(dense_attention_batched, case, batch, q))
 
 

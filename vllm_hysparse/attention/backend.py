@@ -83,13 +83,14 @@ def check_kv_cache_dtype(dtype: str) -> None:
 
 
 def serves_plain_attention(cache_dtype: str) -> bool:
-    """Whether a full layer with no oracle runs on our `dense` role rather than on vLLM's CPU attention.
+    """Whether a layer vLLM's CPU attention could serve runs on one of our roles instead: a full layer with no
+    oracle on `dense`, HySparse's SWA branch on `window`.
 
     Yes where our tiled C++ kernel serves it: on the CPU, on the `torch` path, C++ kernels not switched off,
     a float32 model (vLLM builds a model under its dtype: vllm/model_executor/model_loader/base_loader.py,
     `set_default_torch_dtype`) and an unquantised cache. Decode rows of requests on one prompt then read its
-    pages once for all of them (vLLM's kernel reads them once per request). Elsewhere ours would be the PyTorch
-    fallback, so vLLM's kernel keeps the layer.
+    pages once for all of them (vLLM's kernel reads them once per request); a window is walked as one range per
+    tile of rows. Elsewhere ours would be the PyTorch fallback, so vLLM's kernel keeps the layer.
     """
     return (current_platform.is_cpu() and kernel_path(torch.device("cpu")) == "torch" and cpu_ext.enabled()
             and torch.get_default_dtype() == torch.float32 and not is_quantized_kv_cache(cache_dtype))
@@ -252,6 +253,8 @@ class Role:
     # The `torch` path's C++ kernel bound once per layer and cache (`module:function(q, k_cache, v_cache, *, scale,
     # **kwargs)` -> `run(q, block_table, plan, out, ids)` or None); None: the role always calls its `torch` kernel.
     cpu_bind: str | None = None
+    # Its keywords where they differ from `kwargs` (those of the `torch` kernel).
+    bind_kwargs: Callable[["HySparseAttentionImpl"], dict] | None = None
 
 
 ROLE_TABLE: dict[str, Role | None] = {
@@ -284,13 +287,15 @@ ROLE_TABLE: dict[str, Role | None] = {
                  "torch": "csrc_triton.dense:dense_attention_batched"},
         kwargs=lambda impl: {},
         bounded_by_seq_len=True, cpu_bind="csrc_triton.dense:bind_dense"),
-    # Sliding-window sink attention: the token-sparse kernels over each row's window. Only used when
-    # v_head_dim != head_dim (see the module docstring).
+    # Sliding-window sink attention: the token-sparse kernels over each row's window positions; on the CPU the
+    # tiled window walk, which needs no positions. Used with v_head_dim != head_dim, and for HySparse's SWA branch
+    # where `serves_plain_attention` says (see `vllm_hysparse.models.layers.sparse_window_attention`).
     "window": Role(
         kernels={"triton": "csrc_triton.token_sparse.kernel:token_sparse_attention",
                  "torch": "csrc_triton.token_sparse.batched:token_sparse_attention_batched"},
         kwargs=lambda impl: dict(sinks=impl.sinks),
-        reads_window=True, cpu_bind="csrc_triton.token_sparse.batched:bind_token_sparse"),
+        reads_window=True, cpu_bind="csrc_triton.window:bind_window",
+        bind_kwargs=lambda impl: dict(sinks=impl.sinks, window=impl.selection.window)),
     "kv_owner": None,  # a HySparse2 bridged cache: written by the bridge op, never attended
 }
 ROLES = tuple(ROLE_TABLE)
@@ -389,10 +394,10 @@ class HySparseAttentionImpl(AttentionImpl):
         vllm/v1/worker/cpu_worker.py, `sleep`).
         """
         if self._bound is None or self._bound[0] is not kv_cache:
-            spec = ROLE_TABLE[self.role].cpu_bind
+            role = ROLE_TABLE[self.role]
             key_cache, value_cache = split_kv_cache(kv_cache, self.head_size)
-            run = None if spec is None else load_kernel(spec)(query, key_cache, value_cache, scale=self.scale,
-                                                               **ROLE_TABLE[self.role].kwargs(self))
+            run = None if role.cpu_bind is None else load_kernel(role.cpu_bind)(
+                query, key_cache, value_cache, scale=self.scale, **(role.bind_kwargs or role.kwargs)(self))
             self._bound = (kv_cache, run)
         return self._bound[1]
 
@@ -439,7 +444,8 @@ class HySparseAttentionImpl(AttentionImpl):
         run = self._bound_kernel(query, kv_cache) if path == "torch" and query.device.type == "cpu" else None
         if run is not None:  # the CPU serving path: one C++ call, no per-call checks
             rows = meta.plan.num_tokens
-            ids = self.index_buffer[:rows] if role.publishes else self._selection(meta, rows)
+            # the bound kernels take the index buffer; the window walk needs no positions
+            ids = self.index_buffer[:rows] if role.publishes or role.reads_index else None
             run(query[:rows], meta.block_table, meta.plan, output[:rows], ids)
             if rows < n:  # padding rows
                 output[rows:n].zero_()

@@ -154,6 +154,22 @@ def window_attention(config: HySparseBaseConfig, sinks: nn.Parameter | None) -> 
     return args
 
 
+def sparse_window_attention(config: HySparseBaseConfig, sinks: nn.Parameter | None, cache_config) -> dict:
+    """`window_attention` of a HySparse sparse layer's SWA branch, on our backend's `window` role also where our
+    tiled C++ kernel serves it (`serves_plain_attention`): its window walk took 0.70-0.74x of the time of vLLM's
+    CPU sliding-window kernel on a prefill chunk and 0.8x on eight decode rows (window 128, 12 heads, 4 KV groups,
+    2-core AMD EPYC; benchmarks/results/experiments/window_kernel_2026-12-07.md).
+    """
+    from vllm_hysparse.attention.backend import HySparseAttentionBackend, WindowSelection, serves_plain_attention
+
+    args = window_attention(config, sinks)
+    cache_dtype = cache_config.cache_dtype if cache_config is not None else "auto"
+    if "attn_backend" not in args and serves_plain_attention(cache_dtype):
+        args.update(attn_backend=HySparseAttentionBackend, hysparse_role="window",
+                    selection=WindowSelection(config.swa_window))
+    return args
+
+
 class PreNormDecoderLayer(nn.Module):
     """Pre-norm residual block around any attention module, with vLLM's fused residual adds."""
 
