@@ -53,7 +53,7 @@ TIMED = ("qkv_proj", "q_swa_kv_proj", "q_proj", "kv_proj", "o_proj", "gate_proj"
          "act_fn", "rotary_emb", "q_norm", "k_norm", "swa_k_norm", "attn", "swa_attn", "bridge",
          "input_layernorm", "post_attention_layernorm")
 # Inside a HySparse sparse layer's one attention op (`fused_window`): its window branch, the SWA cache write and
-# vLLM's attention (`HySparseAttentionImpl._window_branch`); counted once per such layer.
+# the window layer's attention (`HySparseAttentionImpl._window_branch`); counted once per such layer.
 WINDOW_RANGE = "window branch (inside each sparse attention op)"
 
 

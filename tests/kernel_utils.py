@@ -16,20 +16,22 @@ import torch
 from csrc_triton.testing import DEVICE, PagedBatch, make_paged_batch  # noqa: F401
 
 
-def dense_causal(batch, q, scale, sinks):
-    """Causal attention with a sink, in float64, written out per row and head."""
+def dense_causal(batch, q, scale, sinks, window=None):
+    """Causal attention with a sink, in float64, written out per row and head; with `window`, each row over its last
+    `window` positions only."""
     num_heads = q.shape[1]
     out = torch.zeros(q.shape[0], num_heads, batch.v_cache.shape[-1], dtype=torch.float64)
     for r, row0, pos0 in batch.rows():
         k, v = batch.keys[r].cpu().double(), batch.values[r].cpu().double()
         for i in range(batch.q_lens[r]):
+            lo, hi = (0 if window is None else max(0, pos0 + i + 1 - window)), pos0 + i + 1
             for h in range(num_heads):
                 grp = h // (num_heads // k.shape[1])
-                z = k[: pos0 + i + 1, grp] @ q[row0 + i, h].cpu().double() * scale
+                z = k[lo:hi, grp] @ q[row0 + i, h].cpu().double() * scale
                 if sinks is not None:
                     z = torch.cat([z, sinks[h].cpu().double().view(1)])
-                p = torch.softmax(z, dim=0)[: pos0 + i + 1]
-                out[row0 + i, h] = p @ v[: pos0 + i + 1, grp]
+                p = torch.softmax(z, dim=0)[: hi - lo]
+                out[row0 + i, h] = p @ v[lo:hi, grp]
     return out
 
 

@@ -272,7 +272,8 @@ void run_task(const Problem& pb, const Task& tk, Partials& parts, std::vector<fl
       float* dst = qs + (r * per_group + p) * DIM;
       for (int d = 0; d < DIM; ++d) dst[d] = src[d] * pb.scale;
       lim[r * per_group + p] = static_cast<float>(pb.pos[row]);
-      low[r * per_group + p] = static_cast<float>(pb.window > 0 ? std::max<int64_t>(0, pb.pos[row] - pb.window + 1) : 0);
+      const int64_t first = pb.window > 0 ? std::max<int64_t>(0, pb.pos[row] - pb.window + 1) : 0;
+      low[r * per_group + p] = static_cast<float>(first);
     }
   }
   std::fill(acc, acc + nq * DIM, 0.f);

@@ -14,29 +14,13 @@ import torch
 from csrc_triton.paged_batch import make_plan
 from csrc_triton.token_sparse.batched import token_sparse_attention_batched
 from csrc_triton.window import bind_window
-from tests.kernel_utils import nan_out, share_prefix
+from tests.kernel_utils import dense_causal, nan_out, share_prefix
 from tests.kernels import oracle_cases as orc
 from tests.kernels.test_oracle_tiled import CASES, SHARED
 from vllm_hysparse.attention.backend import window_positions
 
 SEED = 4700
 WINDOWS = [1, 5, 33, 128]
-
-
-def windowed_reference(batch, q, scale, sinks, window):
-    """Each row over its last `window` positions with one sink logit per head, in float64, per row and head."""
-    num_heads = q.shape[1]
-    out = torch.zeros(q.shape[0], num_heads, batch.v_cache.shape[-1], dtype=torch.float64)
-    for r, row0, pos0 in batch.rows():
-        k, v = batch.keys[r].double(), batch.values[r].double()
-        for i in range(batch.q_lens[r]):
-            t = pos0 + i
-            lo = max(0, t - window + 1)
-            for h in range(num_heads):
-                grp = h // (num_heads // k.shape[1])
-                z = torch.cat([k[lo: t + 1, grp] @ q[row0 + i, h].double() * scale, sinks[h].double().view(1)])
-                out[row0 + i, h] = torch.softmax(z, dim=0)[:-1] @ v[lo: t + 1, grp]
-    return out
 
 
 def run_window(case, batch, q, sinks, window):
@@ -65,8 +49,7 @@ def test_window_matches_reference(case, window):
     batch, q = orc.make_inputs(case, torch.float32, seed=seed)
     sinks = torch.randn(case.num_heads, generator=torch.Generator().manual_seed(seed))
     n = sum(batch.q_lens)
-    check(run_window(case, batch, q, sinks, window), windowed_reference(batch, q, case.head_dim ** -0.5, sinks,
-                                                                        window)[:n])
+    check(run_window(case, batch, q, sinks, window), dense_causal(batch, q, case.head_dim ** -0.5, sinks, window)[:n])
 
 
 @pytest.mark.parametrize("case, shares", SHARED[:3], ids=[str(c) for c, _ in SHARED[:3]])
@@ -80,7 +63,7 @@ def test_window_on_shared_pages(case, shares):
     n = sum(batch.q_lens)
     for window in (64, 300):
         check(run_window(case, batch, q, sinks, window),
-              windowed_reference(batch, q, case.head_dim ** -0.5, sinks, window)[:n])
+              dense_causal(batch, q, case.head_dim ** -0.5, sinks, window)[:n])
 
 
 @pytest.mark.parametrize("case", CASES[-2:], ids=str)

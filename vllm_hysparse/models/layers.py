@@ -117,6 +117,11 @@ def separate_v(config: HySparseBaseConfig) -> dict:
     return {} if config.v_head_dim == config.head_dim else {"head_size_v": config.v_head_dim}
 
 
+def cache_dtype_of(cache_config) -> str:
+    """The KV cache dtype a layer is built for (`auto` without a cache config)."""
+    return cache_config.cache_dtype if cache_config is not None else "auto"
+
+
 def plain_full_attention(config: HySparseBaseConfig, cache_config) -> dict:
     """`Attention` keywords of a full-length causal layer with no oracle.
 
@@ -128,8 +133,7 @@ def plain_full_attention(config: HySparseBaseConfig, cache_config) -> dict:
     """
     from vllm_hysparse.attention.backend import HySparseAttentionBackend, serves_plain_attention
 
-    cache_dtype = cache_config.cache_dtype if cache_config is not None else "auto"
-    if config.v_head_dim == config.head_dim and not serves_plain_attention(cache_dtype):
+    if config.v_head_dim == config.head_dim and not serves_plain_attention(cache_dtype_of(cache_config)):
         return {}
     return dict(attn_backend=HySparseAttentionBackend, hysparse_role="dense", **separate_v(config))
 
@@ -156,15 +160,14 @@ def window_attention(config: HySparseBaseConfig, sinks: nn.Parameter | None) -> 
 
 def sparse_window_attention(config: HySparseBaseConfig, sinks: nn.Parameter | None, cache_config) -> dict:
     """`window_attention` of a HySparse sparse layer's SWA branch, on our backend's `window` role also where our
-    tiled C++ kernel serves it (`serves_plain_attention`): its window walk took 0.70-0.74x of the time of vLLM's
-    CPU sliding-window kernel on a prefill chunk and 0.8x on eight decode rows (window 128, 12 heads, 4 KV groups,
-    2-core AMD EPYC; benchmarks/results/experiments/window_kernel_2026-12-07.md).
+    tiled C++ kernel serves it (`serves_plain_attention`): its window walk took 0.68-0.74x of the time of vLLM's
+    CPU sliding-window kernel on a prefill chunk (three runs) and 0.8x on eight decode rows (window 128, 12 heads,
+    4 KV groups, 2-core AMD EPYC; benchmarks/results/experiments/window_kernel_2026-12-07.md).
     """
     from vllm_hysparse.attention.backend import HySparseAttentionBackend, WindowSelection, serves_plain_attention
 
     args = window_attention(config, sinks)
-    cache_dtype = cache_config.cache_dtype if cache_config is not None else "auto"
-    if "attn_backend" not in args and serves_plain_attention(cache_dtype):
+    if "attn_backend" not in args and serves_plain_attention(cache_dtype_of(cache_config)):
         args.update(attn_backend=HySparseAttentionBackend, hysparse_role="window",
                     selection=WindowSelection(config.swa_window))
     return args
