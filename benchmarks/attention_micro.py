@@ -19,7 +19,8 @@ pages; the baseline is vLLM's C++ CPU kernel (`cpu_attention_with_kv_cache`) on 
 context in its own cache layout, at the same KV group count (KV splitting as vLLM's `VLLM_CPU_ATTN_SPLIT_KV`,
 on by default; results up to 2026-12-07_0445 ran it off). Rows `sparse layer`: a HySparse sparse layer's whole
 attention as served (window K/V write, the window branch on the C++ window walk, the global branch on the C++
-block-sparse kernel, both with sinks, the gate mix; and with the window branch on vLLM's sliding-window kernel, as
+block-sparse kernel, both with sinks, the gate mix compiled as vLLM compiles the model's forward (eager until
+2026-12-07_0844); and with the window branch on vLLM's sliding-window kernel, as
 served before 2026-12-07) against a dense layer's (K/V write and attention),
 decode and prefill (a layer's attention without its projections and MLP, which `layer_breakdown.py` times in
 the engine), each part alone too, all with the CPU caches evicted before each call. Also timed: the pages-per-query
@@ -146,7 +147,8 @@ def hysparse_layers(num_reqs, ctx, reps, q_len=1):
     Sparse: the window branch's K/V write and attention over the layer's own cache with sinks (the C++ window walk,
     `csrc_triton/window.py`, as served on CPU since 2026-12-07; and vLLM's CPU sliding-window attention, as served
     before, in rows of its own), the global branch (the C++ block-sparse kernel over the oracle's blocks of the shared
-    cache, with sinks) and the gate mix (`apply_gate`'s sigmoid-times-output, both branches summed). Dense: the
+    cache, with sinks) and the gate mix (`apply_gate`'s sigmoid-times-output, both branches summed; compiled, as vLLM
+    compiles the model's forward). Dense: the
     layer's K/V write and vLLM's attention over the whole context. Per-step work (the oracle's selection, our
     plan, vLLM's scheduler metadata) is outside both. `q_len` rows per request (a prefill chunk: one request).
     Timed cold (`median_ms(cold=True)`): repeated warm, the dense layer's one cache stays in the 32 MiB L3 at 512
@@ -187,10 +189,15 @@ def hysparse_layers(num_reqs, ctx, reps, q_len=1):
         g_sparse, g_swa = gates.chunk(2, dim=-1)
         return g_sparse.sigmoid() * o_sparse + g_swa.sigmoid() * o_swa
 
+    # Served, the mix is part of the model's forward, which vLLM compiles on the CPU (one loop, no temporaries;
+    # eager it costs 3-10x more, most of it allocating and faulting in its three [n, H * D] temporaries).
+    compiled_mix = torch.compile(gate_mix, dynamic=False)
+    compiled_mix()
+
     def sparse_layer(branch=window_branch):
         branch()
         run(q, table, plan, out[0], ids)
-        return gate_mix()
+        return compiled_mix()
 
     def dense_layer():
         dense_write()
@@ -207,7 +214,8 @@ def hysparse_layers(num_reqs, ctx, reps, q_len=1):
             f"{label}: its global branch alone (C++)": timed(lambda: run(q, table, plan, out[0], ids)),
             f"{label}: its window branch alone (K/V write + C++ window walk)": timed(window_branch),
             f"{label}: its window branch on vLLM's CPU sliding window (before)": timed(vllm_window_branch),
-            f"{label}: its gate mix alone (eager; compiled when served)": timed(gate_mix),
+            f"{label}: its gate mix alone (compiled, as served)": timed(compiled_mix),
+            f"{label}: its gate mix alone, eager (in the sparse layer until 2026-12-07)": timed(gate_mix),
             f"{label}: dense layer (K/V write + vLLM CPU attention, G=4)": timed(dense_layer)}
 
 

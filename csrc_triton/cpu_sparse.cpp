@@ -149,6 +149,9 @@ void sparse_tile(const SparseProblem& pb, const SparseTask& tk, TileScratch& sc)
   std::fill(l, l + nq, 0.f);
   const RowMask all = (RowMask{1} << tk.rows) - 1;  // tk.rows <= SPARSE_TILE_ROWS < 64
   const int64_t total = static_cast<int64_t>(sc.keys.size());
+  RowMask active = 0;  // the rows whose query vectors `act` / `qa` hold (none yet)
+  int64_t na = 0;
+  const float* qa = qs;
   for (int64_t c0 = 0; c0 < total; c0 += KEYS) {
     const int64_t count = std::min(KEYS, total - c0);
     const int64_t* key = sc.keys.data() + c0;
@@ -161,14 +164,17 @@ void sparse_tile(const SparseProblem& pb, const SparseTask& tk, TileScratch& sc)
     for (int64_t r = 0; r < tk.rows; ++r)
       if (pos[r] < first) rows &= ~(RowMask{1} << r);  // this row sees none of them
     if (rows == 0) continue;
-    int64_t na = 0;
-    for (int64_t r = 0; r < tk.rows; ++r)
-      if (rows >> r & 1u)
-        for (int64_t p = 0; p < per_group; ++p) act[na++] = r * per_group + p;
-    const float* qa = qs;
-    if (rows != all) {  // score only the rows concerned
-      for (int64_t a = 0; a < na; ++a) std::copy(qs + act[a] * DIM, qs + (act[a] + 1) * DIM, qc + a * DIM);
-      qa = qc;
+    if (rows != active) {  // the rows concerned changed: compact their query vectors (a block's tiles share them)
+      active = rows;
+      na = 0;
+      for (int64_t r = 0; r < tk.rows; ++r)
+        if (rows >> r & 1u)
+          for (int64_t p = 0; p < per_group; ++p) act[na++] = r * per_group + p;
+      qa = qs;
+      if (rows != all) {  // score only the rows concerned
+        for (int64_t a = 0; a < na; ++a) std::copy(qs + act[a] * DIM, qs + (act[a] + 1) * DIM, qc + a * DIM);
+        qa = qc;
+      }
     }
     for (int64_t j = 0; j < count; ++j) vp[j] = kp[j] + DIM;
     if (na <= DIRECT_MAX) {
