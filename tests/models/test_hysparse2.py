@@ -168,15 +168,17 @@ class TestEarlyExitEngine:
         assert windowed == {f"model.layers.{i}.self_attn.attn" for i, t in enumerate(cfg.layer_types)
                             if t == "sliding_attention"}
 
-    def test_self_full_layers_run_our_tiled_dense_role(self, llm, reference):
+    def test_self_decoder_layers_run_our_tiled_roles(self, llm, reference):
         """On the CPU in float32 the self-decoder's full layers run our `dense` role on the C++ / PyTorch path (a
-        prompt shared by several decode rows is read once, `csrc_triton/dense.py`); sliding layers stay on vLLM's."""
+        prompt shared by several decode rows is read once, `csrc_triton/dense.py`), its sliding layers our `window`
+        role (the C++ window walk, `csrc_triton/window.py`)."""
         cfg = reference.config
         backends = llm.collective_rpc(attention_backends)[0]
         for i in range(cfg.num_self_decoder_layers):
             full = cfg.layer_types[i] == "full_attention"
-            want = ("HYSPARSE", "dense", "torch") if full else ("CPU_ATTN", None, None)
+            want = ("HYSPARSE", "dense" if full else "window", "torch")
             assert backends[f"model.layers.{i}.self_attn.attn"] == want, i
+        assert sum(cfg.layer_types[i] == "sliding_attention" for i in range(cfg.num_self_decoder_layers)) >= 1
 
 
 def attention_backends(worker) -> dict[str, tuple]:

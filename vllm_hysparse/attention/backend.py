@@ -84,7 +84,7 @@ def check_kv_cache_dtype(dtype: str) -> None:
 
 def serves_plain_attention(cache_dtype: str) -> bool:
     """Whether a layer vLLM's CPU attention could serve runs on one of our roles instead: a full layer with no
-    oracle on `dense`, HySparse's SWA branch on `window`.
+    oracle on `dense`, HySparse's SWA branch and HySparse2's sliding layers on `window`.
 
     Yes where our tiled C++ kernel serves it: on the CPU, on the `torch` path, C++ kernels not switched off,
     a float32 model (vLLM builds a model under its dtype: vllm/model_executor/model_loader/base_loader.py,
@@ -289,7 +289,7 @@ ROLE_TABLE: dict[str, Role | None] = {
         bounded_by_seq_len=True, cpu_bind="csrc_triton.dense:bind_dense"),
     # Sliding-window sink attention: the token-sparse kernels over each row's window positions; on the CPU the
     # tiled window walk, which needs no positions. Used with v_head_dim != head_dim, and for HySparse's SWA branch
-    # where `serves_plain_attention` says (see `vllm_hysparse.models.layers.sparse_window_attention`).
+    # and HySparse2's sliding layers where `serves_plain_attention` says (`vllm_hysparse.models.layers.window_attention`).
     "window": Role(
         kernels={"triton": "csrc_triton.token_sparse.kernel:token_sparse_attention",
                  "torch": "csrc_triton.token_sparse.batched:token_sparse_attention_batched"},

@@ -53,7 +53,7 @@ from vllm_hysparse.models.layers import (
     project_qkv,
     qkv_and_out,
     separate_v,
-    sparse_window_attention,
+    window_attention,
 )
 from vllm_hysparse.models.loader import QKV_STACK
 from vllm_hysparse.models.tp_heads import HeadSplit
@@ -137,7 +137,7 @@ class HySparseSparseAttention(nn.Module):
             sinks=self.sparse_sinks, fused_window=f"{prefix}.swa_attn", **separate_v(config), **common)
         # Owns the window cache; its op never runs: `attn`'s op writes and attends it too (one op, not two).
         self.swa_attn = Attention(h.num_heads, config.head_dim, scale, prefix=f"{prefix}.swa_attn",
-                                  **sparse_window_attention(config, self.swa_sinks, cache_config), **common)
+                                  **window_attention(config, self.swa_sinks, cache_config), **common)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         h = self.heads

@@ -156,7 +156,7 @@ class HySparse2SelfAttention(nn.Module):
             self.gate_proj = ColumnParallelLinear(config.hidden_size, gate_width(config), bias=False,
                                                   quant_config=quant_config, prefix=f"{prefix}.gate_proj")
             self.sinks = make_sinks(config, h)
-            extra = window_attention(config, self.sinks)
+            extra = window_attention(config, self.sinks, cache_config)
         self.attn = Attention(h.num_heads, config.head_dim, config.head_dim**-0.5, num_kv_heads=h.num_kv_heads,
                               cache_config=cache_config, prefix=f"{prefix}.attn", **extra)
 

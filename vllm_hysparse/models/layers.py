@@ -138,36 +138,29 @@ def plain_full_attention(config: HySparseBaseConfig, cache_config) -> dict:
     return dict(attn_backend=HySparseAttentionBackend, hysparse_role="dense", **separate_v(config))
 
 
-def window_attention(config: HySparseBaseConfig, sinks: nn.Parameter | None) -> dict:
+def window_attention(config: HySparseBaseConfig, sinks: nn.Parameter | None, cache_config) -> dict:
     """`Attention` keywords of a sliding-window layer with sinks (HySparse's SWA branch, HySparse2's sliding layers).
 
-    By default vLLM picks its own backend. With `v_head_dim != head_dim` the
-    layer runs on our backend's `window` role instead, which stores V at its
-    own width: vLLM 0.32's CPU backend (`CPU_ATTN`) splits a page into equal K
-    and V halves and takes one head size. Padding V to `head_dim` there would
-    not stay in these window caches: vLLM unifies page sizes across cache
-    groups, padding every smaller page to the largest when it does not divide
-    it, so the full-length caches would pay for the padding too.
-    """
-    args = dict(per_layer_sliding_window=config.swa_window, sinks=sinks)
-    if config.v_head_dim != config.head_dim:
-        from vllm_hysparse.attention.backend import HySparseAttentionBackend, WindowSelection
-
-        args.update(attn_backend=HySparseAttentionBackend, hysparse_role="window",
-                    selection=WindowSelection(config.swa_window), head_size_v=config.v_head_dim)
-    return args
-
-
-def sparse_window_attention(config: HySparseBaseConfig, sinks: nn.Parameter | None, cache_config) -> dict:
-    """`window_attention` of a HySparse sparse layer's SWA branch, on our backend's `window` role also where our
-    tiled C++ kernel serves it (`serves_plain_attention`): its window walk took 0.68-0.74x of the time of vLLM's
-    CPU sliding-window kernel on a prefill chunk (three runs) and 0.8x on eight decode rows (window 128, 12 heads,
-    4 KV groups, 2-core AMD EPYC; benchmarks/results/experiments/window_kernel_2026-12-07.md).
+    The layer runs on our backend's `window` role where our tiled C++ kernel
+    serves it (`serves_plain_attention`: CPU, float32, unquantised cache): its
+    window walk took 0.68-0.74x of the time of vLLM's CPU sliding-window
+    kernel on a prefill chunk (three runs) and 0.8x on eight decode rows
+    (window 128, 12 heads, 4 KV groups, 2-core AMD EPYC;
+    benchmarks/results/experiments/window_kernel_2026-12-07.md). Also with
+    `v_head_dim != head_dim`, which stores V at its own width: vLLM 0.32's
+    CPU backend (`CPU_ATTN`) splits a page into equal K and V halves and takes
+    one head size. Padding V to `head_dim` there would not stay in these
+    window caches: vLLM unifies page sizes across cache groups, padding every
+    smaller page to the largest when it does not divide it, so the
+    full-length caches would pay for the padding too. Elsewhere (GPU, FP8
+    caches, bf16) vLLM picks its own backend.
     """
     from vllm_hysparse.attention.backend import HySparseAttentionBackend, WindowSelection, serves_plain_attention
 
-    args = window_attention(config, sinks)
-    if "attn_backend" not in args and serves_plain_attention(cache_dtype_of(cache_config)):
+    args = dict(per_layer_sliding_window=config.swa_window, sinks=sinks)
+    if config.v_head_dim != config.head_dim:
+        args.update(head_size_v=config.v_head_dim)
+    if config.v_head_dim != config.head_dim or serves_plain_attention(cache_dtype_of(cache_config)):
         args.update(attn_backend=HySparseAttentionBackend, hysparse_role="window",
                     selection=WindowSelection(config.swa_window))
     return args
