@@ -20,8 +20,8 @@ context in its own cache layout, at the same KV group count (KV splitting as vLL
 on by default; results up to 2026-12-07_0445 ran it off). Rows `sparse layer`: a HySparse sparse layer's whole
 attention as served (window K/V write, the window branch on the C++ window walk, the global branch on the C++
 block-sparse kernel, both with sinks, the gate mix: the faster of compiled and eager alone, standing in for the
-loop vLLM's compiled forward fuses it into (eager until 2026-12-07_0844); and with the window branch on vLLM's sliding-window kernel, as
-served before 2026-12-07) against a dense layer's (K/V write and attention),
+loop vLLM's compiled forward fuses it into (eager until 2026-12-07_0844); and with the window branch on vLLM's
+sliding-window kernel, as served before 2026-12-07) against a dense layer's (K/V write and attention),
 decode and prefill (a layer's attention without its projections and MLP, which `layer_breakdown.py` times in
 the engine), each part alone too, all with the CPU caches evicted before each call. Also timed: the pages-per-query
 counters of one oracle layer as served (`PagesPerQueryStats.add`, the C++ counter; their cost with

@@ -255,7 +255,7 @@ inline void butterfly_stage(v16* r) {
 // this was two memory operations per float, which outweighed the scoring for the few query vectors of a decode row
 // on a shared prefix; with AVX-512, 16 x 16 blocks go through registers (16 loads, 64 shuffles, 16 stores), with
 // AVX2 8 x 8 blocks (8 loads, 24 shuffles, 8 stores; the block-sparse kernel's 2,048 prefill rows at 8k over
-// random blocks took 5-11% less in alternating calls on the 2-core AMD EPYC, decode rows no change).
+// random blocks took 2-11% less in alternating calls on the 2-core AMD EPYC, decode rows no change).
 template <int DIM, int64_t KT = KEYS>
 inline void transpose_keys(const float* const* kp, int64_t count, float* kt) {
 #ifdef __AVX512F__
