@@ -289,7 +289,7 @@ ROLE_TABLE: dict[str, Role | None] = {
         bounded_by_seq_len=True, cpu_bind="csrc_triton.dense:bind_dense"),
     # Sliding-window sink attention: the token-sparse kernels over each row's window positions; on the CPU the
     # tiled window walk, which needs no positions. Used with v_head_dim != head_dim, and for HySparse's SWA branch
-    # and HySparse2's sliding layers where `serves_plain_attention` says (`vllm_hysparse.models.layers.window_attention`).
+    # and HySparse2's sliding layers where `serves_plain_attention` says (`models.layers.window_attention`).
     "window": Role(
         kernels={"triton": "csrc_triton.token_sparse.kernel:token_sparse_attention",
                  "torch": "csrc_triton.token_sparse.batched:token_sparse_attention_batched"},
