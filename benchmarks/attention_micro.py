@@ -26,7 +26,7 @@ decode and prefill (a layer's attention without its projections and MLP, which `
 the engine), each part alone too, all with the CPU caches evicted before each call. Also timed: the pages-per-query
 counters of one oracle layer as served (`PagesPerQueryStats.add`, the C++ counter; their cost with
 metrics on; before 2026-12-07 this row timed the PyTorch twin). Median of `--reps` after a warm-up.
-Writes `benchmarks/results/attention_micro_<date>_<HHMM>.{json,md}` and prints the table.
+Writes `benchmarks/results/attention_micro_<date>_<HHMM>.{json,md,png}` and prints the table.
 """
 
 import argparse
@@ -366,6 +366,58 @@ def hysparse2_roles(num_reqs, ctx, reps):
     }
 
 
+def ratio_to_dense(roles: dict, role: str) -> float:
+    """`role`'s time over its baseline's in the same group: the role whose name, after the same `...: ` prefix,
+    starts with `dense`."""
+    prefix = role.split(": ")[0] + ": " if ": " in role else ""
+    return roles[role] / next(v for k, v in roles.items() if k.startswith(prefix + "dense"))
+
+
+# The ratios issue 20 sets goals for: (panel, group, a sparse layer's row or not, how the role's name ends after
+# its prefix starts, goal by context or None). The oracles' goal is stated for 8k and 32k, the sparse layer's for
+# 512 tokens and 8k.
+HEADLINES = (
+    ("oracle, decode", "HySparse", False, "oracle (tiled C++)", {8192: 1.1, 32768: 1.1}),
+    ("oracle, prefill chunk", "HySparse prefill", False, "oracle (tiled C++)", {8192: 1.1, 32768: 1.1}),
+    ("token oracle, decode", "HySparse2", False, "token_oracle (C++)", {8192: 1.1, 32768: 1.1}),
+    ("token oracle, prefill chunk", "HySparse2 prefill", False, "token_oracle (C++, two passes)",
+     {8192: 1.1, 32768: 1.1}),
+    ("sparse layer, decode", "HySparse", True, "HySparse (both branches", {512: 1.1, 8192: 0.15}),
+    ("sparse layer, prefill chunk", "HySparse prefill", True, "HySparse (both branches", {512: 1.1, 8192: 0.15}),
+)
+
+
+def plot(result: dict, path: Path) -> None:
+    """One panel per headline ratio (`HEADLINES`): a bar per context, its goal as a black tick."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(11, 6.4))
+    for ax, (title, group, layer, start, goals) in zip(axes.flat, HEADLINES):
+        bars = []
+        for ctx, arches in result["contexts"].items():
+            roles = arches.get(group, {})
+            role = next((k for k in roles if ("sparse layer" in k) == layer and k.split(": ")[-1].startswith(start)),
+                        None)
+            if role is not None:
+                bars.append((int(ctx), ratio_to_dense(roles, role)))
+        xs = range(len(bars))
+        ax.bar(xs, [r for _, r in bars], color="tab:blue")
+        for x, (ctx, r) in zip(xs, bars):
+            ax.text(x, r, f"{r:.2f}x", ha="center", va="bottom", fontsize=8)
+            if ctx in goals:
+                ax.hlines(goals[ctx], x - 0.4, x + 0.4, color="black", lw=1.5)
+        ax.set_xticks(list(xs), [f"{ctx // 1024}k" if ctx >= 1024 else str(ctx) for ctx, _ in bars])
+        ax.set_title(title, fontsize=9)
+        ax.set_ylabel("time / dense layer's", fontsize=8)
+    fig.suptitle(f"{result['command']} ({result['machine']}); black ticks: goals", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def markdown(result) -> str:
     shared = " on one shared prompt" if result.get("shared_prefix") else ""
     lines = [f"# Attention microbenchmark (CPU, float32, one decode step of {result['num_reqs']} requests{shared}, "
@@ -377,9 +429,7 @@ def markdown(result) -> str:
     for ctx, arches in result["contexts"].items():
         for arch, roles in arches.items():
             for role, ms in roles.items():
-                prefix = role.split(": ")[0] + ": " if ": " in role else ""
-                dense = next(v for k, v in roles.items() if k.startswith(prefix + "dense"))
-                lines.append(f"| {ctx} | {arch} {role} | {ms:.2f} | {ms / dense:.2f}x |")
+                lines.append(f"| {ctx} | {arch} {role} | {ms:.2f} | {ratio_to_dense(roles, role):.2f}x |")
     return "\n".join(lines) + "\n"
 
 
@@ -392,7 +442,14 @@ def main(argv=None) -> int:
     parser.add_argument("--shared-prefix", action="store_true",
                         help="the decode requests read one prompt's pages (vLLM's prefix cache); prefill unchanged")
     parser.add_argument("--results", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--report-from", type=Path, metavar="JSON",
+                        help="write the .md and .png of an earlier run's JSON beside it, and measure nothing")
     args = parser.parse_args(argv)
+    if args.report_from:
+        result = json.loads(args.report_from.read_text())
+        args.report_from.with_suffix(".md").write_text(markdown(result))
+        plot(result, args.report_from.with_suffix(".png"))
+        return 0
     torch.set_grad_enabled(False)
     global SHARED_PREFIX
     SHARED_PREFIX = args.shared_prefix
@@ -417,6 +474,7 @@ def main(argv=None) -> int:
     stem = args.results / f"attention_micro_{datetime.datetime.now():%Y-%m-%d_%H%M}{tag}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
     stem.with_suffix(".md").write_text(text)
+    plot(result, stem.with_suffix(".png"))
     return 0
 
 
