@@ -148,11 +148,11 @@ def hysparse_layers(num_reqs, ctx, reps, q_len=1):
     `csrc_triton/window.py`, as served on CPU since 2026-12-07; and vLLM's CPU sliding-window attention, as served
     before, in rows of its own), the global branch (the C++ block-sparse kernel over the oracle's blocks of the shared
     cache, with sinks) and the gate mix (`apply_gate`'s sigmoid-times-output, both branches summed; compiled or
-    eager, whichever is faster alone). Dense: the
-    layer's K/V write and vLLM's attention over the whole context. Per-step work (the oracle's selection, our
-    plan, vLLM's scheduler metadata) is outside both. `q_len` rows per request (a prefill chunk: one request).
-    Timed cold (`median_ms(cold=True)`): repeated warm, the dense layer's one cache stays in the 32 MiB L3 at 512
-    tokens while the sparse layer's two caches evict each other, which no engine step sees.
+    eager, whichever is faster alone). Dense: the layer's K/V write and vLLM's attention over the whole context.
+    Per-step work (the oracle's selection, our plan, vLLM's scheduler metadata) is outside both. `q_len` rows per
+    request (a prefill chunk: one request). Timed cold (`median_ms(cold=True)`): repeated warm, the dense layer's
+    one cache stays in the 32 MiB L3 at 512 tokens while the sparse layer's two caches evict each other, which no
+    engine step sees.
     """
     s = HYSPARSE
     kv, table, qsl, seq_lens = paged_batch(num_reqs, ctx, s["groups"], s["dim"], q_len=q_len)
@@ -190,9 +190,10 @@ def hysparse_layers(num_reqs, ctx, reps, q_len=1):
         return g_sparse.sigmoid() * o_sparse + g_swa.sigmoid() * o_swa
 
     # Served, the mix is fused into the model's forward, which vLLM compiles on the CPU: one loop, none of the eager
-    # ops' three [n, H * D] temporaries (on 2,048 rows eager cost 1.5-10x the compiled loop), nor the per-call guard
-    # checks of a compiled function called alone (0.1 ms, twice the eager ops on 8 decode rows). The sparse layer
-    # takes the faster of the two alone as the stand-in for the fused loop.
+    # ops' three [n, H * D] temporaries (2,048 rows at 8k: 3.2-3.3 ms eager against 2.0-2.1 compiled), nor the
+    # per-call checks of a compiled function called alone (8 decode rows: 0.16-0.29 ms compiled against 0.09-0.15
+    # eager; attention_micro_2026-12-07_1012 and _1034). The sparse layer takes the faster of the two alone as the
+    # stand-in for the fused loop.
     compiled_mix = torch.compile(gate_mix, dynamic=False)
     compiled_mix()
     mixes = {"compiled, as served": compiled_mix, "eager": gate_mix}
