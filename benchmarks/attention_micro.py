@@ -18,9 +18,10 @@ PyTorch path that serves on CPU (`csrc_triton/*/batched.py`) on a paged cache of
 pages; the baseline is vLLM's C++ CPU kernel (`cpu_attention_with_kv_cache`) on the same
 context in its own cache layout, at the same KV group count (KV splitting as vLLM's `VLLM_CPU_ATTN_SPLIT_KV`,
 on by default; results up to 2026-12-07_0445 ran it off). Rows `sparse layer`: a HySparse sparse layer's whole
-attention as served (window K/V write, the window branch on the C++ window walk, the global branch on the C++
-block-sparse kernel, both with sinks, the gate mix: the faster of compiled and eager alone, standing in for the
-loop vLLM's compiled forward fuses it into (eager until 2026-12-07_0844); and with the window branch on vLLM's
+attention as served (window K/V write, the window branch on the C++ window walk storing its gated rows, the
+global branch on the C++ block-sparse kernel adding its own, both with sinks: the gate mix inside the kernels'
+stores since 2026-12-07_1300; before, a mix after both kernels, timed as the faster of compiled and eager alone,
+standing in for the loop vLLM's compiled forward fused it into; and with the window branch on vLLM's
 sliding-window kernel, as served before 2026-12-07) against a dense layer's (K/V write and attention),
 decode and prefill (a layer's attention without its projections and MLP, which `layer_breakdown.py` times in
 the engine), each part alone too, all with the CPU caches evicted before each call. Also timed: the pages-per-query
@@ -147,8 +148,10 @@ def hysparse_layers(num_reqs, ctx, reps, q_len=1):
     Sparse: the window branch's K/V write and attention over the layer's own cache with sinks (the C++ window walk,
     `csrc_triton/window.py`, as served on CPU since 2026-12-07; and vLLM's CPU sliding-window attention, as served
     before, in rows of its own), the global branch (the C++ block-sparse kernel over the oracle's blocks of the shared
-    cache, with sinks) and the gate mix (`apply_gate`'s sigmoid-times-output, both branches summed; compiled or
-    eager, whichever is faster alone). Dense: the layer's K/V write and vLLM's attention over the whole context.
+    cache, with sinks) and the gate mix (sigmoid(g_sparse) * global + sigmoid(g_swa) * window): as served, in the
+    kernels' stores (the window walk stores its gated rows, the block-sparse kernel adds its own); as served before,
+    after both kernels, compiled or eager, whichever is faster alone. Dense: the layer's K/V write and vLLM's
+    attention over the whole context.
     Per-step work (the oracle's selection, our plan, vLLM's scheduler metadata) is outside both. `q_len` rows per
     request (a prefill chunk: one request). Timed cold (`median_ms(cold=True)`): repeated warm, the dense layer's
     one cache stays in the 32 MiB L3 at 512 tokens while the sparse layer's two caches evict each other, which no
@@ -180,6 +183,15 @@ def hysparse_layers(num_reqs, ctx, reps, q_len=1):
         writer(key, value, slots)
         window(q, wtable, plan, out[1])
 
+    mixed = torch.empty(n, s["heads"], s["dim"])  # the layer's one output, both branches gated into it
+    g_sparse, g_swa = gates.view(n, 2, s["heads"], s["dim"]).unbind(1)
+
+    def gated_layer():
+        writer(key, value, slots)
+        window(q, wtable, plan, mixed, gate=g_swa)
+        run(q, table, plan, mixed, ids, g_sparse, True)
+        return mixed
+
     def vllm_window_branch():
         vllm_write()
         vllm_window()
@@ -189,14 +201,14 @@ def hysparse_layers(num_reqs, ctx, reps, q_len=1):
         g_sparse, g_swa = gates.chunk(2, dim=-1)
         return g_sparse.sigmoid() * o_sparse + g_swa.sigmoid() * o_swa
 
-    # Served, the mix is fused into the model's forward, which vLLM compiles on the CPU: one loop, none of the eager
-    # ops' three [n, H * D] temporaries (2,048 rows at 8k: 3.2-3.3 ms eager against 2.0-2.1 compiled), nor the
-    # per-call checks of a compiled function called alone (8 decode rows: 0.16-0.29 ms compiled against 0.09-0.15
-    # eager; attention_micro_2026-12-07_1012 and _1034). The sparse layer takes the faster of the two alone as the
-    # stand-in for the fused loop.
+    # Served before 2026-12-07_1300, the mix was fused into the model's forward, which vLLM compiles on the CPU: one
+    # loop, none of the eager ops' three [n, H * D] temporaries (2,048 rows at 8k: 3.2-3.3 ms eager against 2.0-2.1
+    # compiled), nor the per-call checks of a compiled function called alone (8 decode rows: 0.16-0.29 ms compiled
+    # against 0.09-0.15 eager; attention_micro_2026-12-07_1012 and _1034). Its row takes the faster of the two alone
+    # as the stand-in for that loop.
     compiled_mix = torch.compile(gate_mix, dynamic=False)
     compiled_mix()
-    mixes = {"compiled, as served": compiled_mix, "eager": gate_mix}
+    mixes = {"compiled": compiled_mix, "eager": gate_mix}
     mix_ms = {name: median_ms(fn, reps, cold=True) for name, fn in mixes.items()}
     fastest = min(mix_ms, key=mix_ms.get)
     mix = mixes[fastest]
@@ -215,8 +227,14 @@ def hysparse_layers(num_reqs, ctx, reps, q_len=1):
     def timed(fn):
         return median_ms(fn, reps, cold=True)
 
-    return {f"{label}: HySparse (both branches, sinks, window write, gate mix {fastest})": timed(sparse_layer),
-            f"{label}: HySparse, window on vLLM's kernel (served before 2026-12-07)":
+    # the same layer either way (up to the rounding of the sigmoid and of the gated terms' order)
+    torch.testing.assert_close(gated_layer().view(n, -1), sparse_layer(), atol=1e-5, rtol=1e-5)
+
+    return {f"{label}: HySparse (both branches, sinks, window write, gate mix in the kernels' stores)":
+                timed(gated_layer),
+            f"{label}: HySparse, gate mix after both kernels ({fastest}; served before 2026-12-07_1300)":
+                timed(sparse_layer),
+            f"{label}: HySparse, window on vLLM's kernel, mix after (served before 2026-12-07)":
                 timed(lambda: sparse_layer(vllm_window_branch)),
             f"{label}: its global branch alone (C++)": timed(lambda: run(q, table, plan, out[0], ids)),
             f"{label}: its window branch alone (K/V write + C++ window walk)": timed(window_branch),

@@ -13,6 +13,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "cpu_gate.h"
 #include "cpu_tile.h"
 
 #include <omp.h>
@@ -35,9 +36,11 @@ struct SparseProblem {
   float* out;           // [N, H, D]
   int64_t heads, groups, page, width, span, s_page, s_group, s_tok, s_bt;
   float scale;
+  Gate gate;  // the branch's output gate (`cpu_gate.h`), or none
 };
 
-// out[row, h] = acc / (l + exp(sink - m)) in a stable form; a row with no key is 0, sink or not.
+// out[row, h] = acc / (l + exp(sink - m)) in a stable form, through the gate if any; a row with no key is 0, sink
+// or not (its gated term, with `accumulate`).
 inline void store_row(const SparseProblem& pb, int64_t row, int64_t h, int64_t dim, float m, float l, const float* acc) {
   float* o = pb.out + (row * pb.heads + h) * dim;
   float factor = 0.f;
@@ -50,7 +53,7 @@ inline void store_row(const SparseProblem& pb, int64_t row, int64_t h, int64_t d
       factor = 1.f / l;
     }
   }
-  for (int64_t d = 0; d < dim; ++d) o[d] = acc[d] * factor;
+  store_gated(pb.gate, row, h, acc, factor, o, dim);
 }
 
 // Rows in tiles: a task is up to SPARSE_TILE_ROWS consecutive rows of one request and one KV group, whose query vectors
@@ -275,10 +278,12 @@ std::vector<SparseTask> sparse_tasks_of(const SparseProblem& pb, int64_t n, std:
 }
 
 // q [N, H, D], kv [pages, G, page, 2D] float32; reqs, pos [N] int64; ids [N, G, W] int32 (-1 padded);
-// sinks [H] float32 or an empty tensor. Writes every row of out [N, H, D] float32 (in place where it is
-// contiguous, which the serving path's output buffers are).
+// sinks [H] float32 or an empty tensor; gate [N, H, D] or an empty tensor (`gate_of`), `accumulate` adding the gated
+// rows to out's. Writes every row of out [N, H, D] float32 (in place where it is contiguous, which the serving
+// path's output buffers are).
 void paged_sparse(at::Tensor q, at::Tensor kv, at::Tensor block_table, at::Tensor reqs, at::Tensor pos,
-                  at::Tensor ids, int64_t span, double scale, at::Tensor sinks, at::Tensor out) {
+                  at::Tensor ids, int64_t span, double scale, at::Tensor sinks, at::Tensor gate, bool accumulate,
+                  at::Tensor out) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "q: expected [N, H, D] float32");
   TORCH_CHECK(kv.dim() == 4 && kv.scalar_type() == at::kFloat && kv.stride(3) == 1,
               "kv: expected [pages, G, page, 2D] float32 with a contiguous last dim");
@@ -302,12 +307,12 @@ void paged_sparse(at::Tensor q, at::Tensor kv, at::Tensor block_table, at::Tenso
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 3 && out.size(0) == n && out.size(1) == heads &&
               out.size(2) == dim, "out: expected [N, H, D] float32");
   const bool direct = out.is_contiguous();
-  at::Tensor dst = direct ? out : at::empty({n, heads, dim}, q.options());
+  at::Tensor dst = direct ? out : (accumulate ? out.contiguous() : at::empty({n, heads, dim}, q.options()));
   const SparseProblem pb{q.data_ptr<float>(), kv.data_ptr<float>(), block_table.data_ptr<int32_t>(),
                          reqs.data_ptr<int64_t>(), pos.data_ptr<int64_t>(), ids.data_ptr<int32_t>(),
                          has_sinks ? sinks.data_ptr<float>() : nullptr, dst.data_ptr<float>(), heads, groups,
                          kv.size(2), ids.size(2), span, kv.stride(0), kv.stride(1), kv.stride(2),
-                         block_table.stride(0), static_cast<float>(scale)};
+                         block_table.stride(0), static_cast<float>(scale), gate_of(gate, accumulate, n, heads, dim)};
   TORCH_CHECK(heads / groups <= 64, "paged_sparse: at most 64 query heads per KV group");
   std::vector<int64_t> clustered;  // decode rows in shared-prefix order; tasks point into it
   switch (dim) {
@@ -405,7 +410,7 @@ static std::vector<int64_t> supported_dims() { return {HYSPARSE_TILE_DIMS(HYSPAR
 TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
   // Sparse sink attention of each row over its selected runs of the paged cache.
   m.def("paged_sparse(Tensor q, Tensor kv, Tensor block_table, Tensor reqs, Tensor pos, Tensor ids, int span, "
-        "float scale, Tensor sinks, Tensor(a!) out) -> ()");
+        "float scale, Tensor sinks, Tensor gate, bool accumulate, Tensor(a!) out) -> ()");
   // Pages-per-query counters of one oracle layer's selections, added into totals in place.
   m.def("add_pages_touched(Tensor ids, Tensor pos, int block, int page, Tensor(a!) totals) -> ()");
   // New keys and values stored into the pages at their slots, in place.

@@ -328,7 +328,18 @@ def _attend_masked_unfused(q, k, v, key_mask, scale, sinks):
 GATHER_FACTOR = 8
 
 
-NO_SINKS = torch.empty(0, dtype=torch.float32)
+NO_SINKS = NO_GATE = torch.empty(0, dtype=torch.float32)
+
+
+def gated_store(out: torch.Tensor, o: torch.Tensor, gate: torch.Tensor, accumulate: bool) -> torch.Tensor:
+    """`out = (out if accumulate else 0) + sigmoid(gate) * o`, in float32, stored in out's dtype: a branch's output
+    through its gate (SPEC §2.5), the PyTorch twin of the C++ kernels' gated rows (`cpu_gate.h`).
+
+    out, o: `[n, H, Dv]`; gate: `[n, H, Dv]`, or `[n, H, 1]` (one gate per head). Returns out.
+    """
+    y = torch.sigmoid(gate.float()) * o.float()
+    out.copy_(out.float() + y if accumulate else y)
+    return out
 
 
 def bind_sparse(q, k_cache, v_cache, *, span: int, scale: float, sinks):
@@ -336,8 +347,9 @@ def bind_sparse(q, k_cache, v_cache, *, span: int, scale: float, sinks):
     None where it does not apply (then the PyTorch path runs): float32, vLLM's interleaved pages on the CPU,
     D_k == D_v, a compiled head dim.
 
-    Returns `run(q [n, H, D], block_table, plan, out [n, H, D], ids [n, G, W] int32)` for the `n =
-    plan.num_tokens` rows of a step. The serving path binds it once per layer and cache (`HySparseAttentionImpl`):
+    Returns `run(q [n, H, D], block_table, plan, out [n, H, D], ids [n, G, W] int32, gate=None, accumulate=False)`
+    for the `n = plan.num_tokens` rows of a step; with `gate` (`[n, H, D]` float32, its last stride 1 or 0) the rows
+    are stored through it, as `gated_store`. The serving path binds it once per layer and cache (`HySparseAttentionImpl`):
     what is checked here holds for the cache's life, and per call these checks and lookups cost more than the
     kernel does for a decode row (0.07 ms of 0.11 at 512 tokens, 2-core AMD EPYC).
     """
@@ -347,8 +359,9 @@ def bind_sparse(q, k_cache, v_cache, *, span: int, scale: float, sinks):
         return None
     op, sinks = ext.paged_sparse, NO_SINKS if sinks is None else sinks
 
-    def run(q, block_table, plan, out, ids):
-        op(q, pages, block_table, plan.row_req, plan.row_pos, ids, span, scale, sinks, out)
+    def run(q, block_table, plan, out, ids, gate=None, accumulate=False):
+        op(q, pages, block_table, plan.row_req, plan.row_pos, ids, span, scale, sinks,
+           NO_GATE if gate is None else gate, accumulate, out)
 
     return run
 

@@ -36,6 +36,7 @@
 #include <torch/library.h>
 #include <omp.h>
 
+#include "../cpu_gate.h"
 #include "../cpu_tile.h"
 
 #include <algorithm>
@@ -92,6 +93,7 @@ struct Problem {
   float scale;
   int64_t window = 0;            // > 0: each row attends only [pos - window + 1, pos] (`window_tiled`)
   const float* sinks = nullptr;  // [H] sink logits (`window_tiled`), or none
+  Gate gate = {};                // the output gate (`window_tiled`, `cpu_gate.h`), or none
 };
 
 struct Task {
@@ -165,13 +167,12 @@ void finish_row(const Problem& pb, int64_t row, int64_t group, const float* m, c
       const float sink = pb.sinks[group * per_group + p], top = std::max(m[p], sink), keep = std::exp(m[p] - top);
       inv = keep / (l[p] * keep + std::exp(sink - top));
     }
-    float* o = pb.out + (row * pb.heads + group * per_group + p) * DIM;
-    for (int d = 0; d < DIM; ++d) o[d] = acc[p * DIM + d] * inv;
+    const int64_t head = group * per_group + p;
+    store_gated(pb.gate, row, head, acc + p * DIM, inv, pb.out + (row * pb.heads + head) * DIM, DIM);
     for (int64_t b = 0; b < n_vis; ++b) score[b] = std::max(score[b], std::exp(u[p * nb + b] - lse));
     if (pb.logits != nullptr) {
-      const int64_t h = group * per_group + p;
-      pb.lse[row * pb.heads + h] = lse;
-      float* z = pb.logits + (row * pb.heads + h) * pb.max_len;
+      pb.lse[row * pb.heads + head] = lse;
+      float* z = pb.logits + (row * pb.heads + head) * pb.max_len;
       std::fill(z + pb.pos[row] + 1, z + pb.max_len, NEG_INF);
     }
   }
@@ -401,7 +402,8 @@ void run_all(const Problem& pb, const std::vector<Task>& tasks, Partials& parts)
 void run_oracle(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table, const at::Tensor& reqs,
                 const at::Tensor& pos, int64_t block, int64_t topk, double scale, at::Tensor& out, at::Tensor& ids,
                 at::Tensor& scores, at::Tensor& logits, at::Tensor& lse, at::Tensor& reduced, bool reduce_sum,
-                int64_t window = 0, const float* sinks = nullptr) {
+                int64_t window = 0, const float* sinks = nullptr, const at::Tensor& gate = {},
+                bool accumulate = false) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1 && q.stride(1) == q.size(2),
               "q: expected [N, H, D] float32 with contiguous heads");
   TORCH_CHECK(kv.dim() == 4 && kv.scalar_type() == at::kFloat && kv.stride(3) == 1,
@@ -450,7 +452,7 @@ void run_oracle(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& blo
                    reduce_sum, heads, groups, kv.size(2), block, topk, has_scores ? scores.size(2) : 0,
                    has_logits ? logits.size(2) : (has_reduced ? reduced.size(2) : 0), kv.stride(0), kv.stride(1),
                    kv.stride(2), block_table.stride(0), q.stride(0), ids.stride(0), static_cast<float>(scale),
-                   window, sinks};
+                   window, sinks, gate_of(gate, accumulate, n, heads, dim)};
   // tiles of consecutive rows of one request (a request's rows are contiguous in a vLLM batch)
   const int64_t* rq = pb.reqs;
   const int64_t* ps = pb.pos;
@@ -567,9 +569,9 @@ void oracle_tiled_reduced(at::Tensor q, at::Tensor kv, at::Tensor block_table, a
 
 // Sliding-window sink attention (HySparse's SWA branch): each row over its last `window` positions
 // [pos - window + 1, pos] of its request's pages, sinks [H] float32 (or empty) joining every row's softmax; out as
-// `oracle_tiled`'s, no selection.
+// `oracle_tiled`'s (contiguous), no selection; gate and accumulate as `paged_sparse`'s (`cpu_gate.h`).
 void window_tiled(at::Tensor q, at::Tensor kv, at::Tensor block_table, at::Tensor reqs, at::Tensor pos, int64_t window,
-                  double scale, at::Tensor sinks, at::Tensor out) {
+                  double scale, at::Tensor sinks, at::Tensor gate, bool accumulate, at::Tensor out) {
   TORCH_CHECK(window >= 1, "window_tiled: window must be positive");
   const bool has_sinks = sinks.numel() > 0;
   if (has_sinks) {
@@ -582,7 +584,7 @@ void window_tiled(at::Tensor q, at::Tensor kv, at::Tensor block_table, at::Tenso
   at::Tensor reduced = at::empty({0}, f32);
   // one block spanning every position: one run per key tile, one block maximum per query vector (unused)
   run_oracle(q, kv, block_table, reqs, pos, std::numeric_limits<int32_t>::max(), 0, scale, out, ids, scores, logits,
-             lse, reduced, false, window, has_sinks ? sinks.data_ptr<float>() : nullptr);
+             lse, reduced, false, window, has_sinks ? sinks.data_ptr<float>() : nullptr, gate, accumulate);
 }
 
 }  // namespace
@@ -600,7 +602,7 @@ TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
         "bool reduce_sum, Tensor(a!) out, Tensor(b!) reduced) -> ()");
   // Sliding-window sink attention of every row over its last `window` positions, one tiled pass.
   m.def("window_tiled(Tensor q, Tensor kv, Tensor block_table, Tensor reqs, Tensor pos, int window, float scale, "
-        "Tensor sinks, Tensor(a!) out) -> ()");
+        "Tensor sinks, Tensor gate, bool accumulate, Tensor(a!) out) -> ()");
   // The head dims the switch above compiles.
   m.def("supported_dims() -> int[]", &supported_dims);
 }

@@ -115,18 +115,26 @@ class TestEagerEngine:
 
     def test_sparse_layer_runs_both_branches_in_one_attention_op(self, eager_llm, reference, prompts, expected,
                                                                  monkeypatch):
-        """A sparse layer's `attn` op runs its SWA branch too (`fused_window`): `swa_attn` owns the window cache
-        and is never called, yet prompts longer than the window still match the reference."""
+        """A sparse layer's `attn` op runs its SWA branch too (`fused_window`) and mixes both by their gates
+        (`gate_width`, through `run_attention_op`): `swa_attn` owns the window cache and is never called, yet
+        prompts longer than the window still match the reference."""
         from vllm.model_executor.layers.attention import Attention
 
+        import vllm_hysparse.models.hysparse as model_file
+
         called = []
-        forward = Attention.forward
+        forward, run_op = Attention.forward, model_file.run_attention_op
 
         def recording(layer, *args, **kwargs):
             called.append(layer.layer_name)
             return forward(layer, *args, **kwargs)
 
+        def recording_op(layer, *args):
+            called.append(layer.layer_name)
+            return run_op(layer, *args)
+
         monkeypatch.setattr(Attention, "forward", recording)
+        monkeypatch.setattr(model_file, "run_attention_op", recording_op)
         got = vllm_greedy(eager_llm, prompts[-2:], MAX_TOKENS)  # 150 and 400 tokens, the window is 32
         monkeypatch.undo()
         layers = reference.config.num_hidden_layers

@@ -10,7 +10,8 @@ sink, over the selected blocks (SPEC §3.2). HySparse2's cross layers use
 `token_oracle` / `token_sparse` the same way over token positions (SPEC §3.3);
 its bridged caches are `kv_owner`s, written and never attended here. The SWA
 branch is a plain windowed vLLM `Attention` with sinks; the global branch's op
-runs it (`fused_window`), so a sparse layer costs one attention op, not two.
+runs it (`fused_window`), so a sparse layer costs one attention op, not two,
+and mixes the two branches by their gates as it stores them (`gate_width`).
 With `v_head_dim != head_dim` (SPEC §2.6) the layers vLLM would otherwise
 serve run here too, because vLLM 0.32's CPU backend cannot store V at its own
 width and ours can (`AttentionSpec.head_size_v`): role `dense` is plain causal
@@ -62,7 +63,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from csrc_triton import cpu_ext
 from csrc_triton.paged_args import FP8_KV_DTYPE
-from csrc_triton.paged_batch import BatchPlan, make_plan
+from csrc_triton.paged_batch import BatchPlan, gated_store, make_plan
 from vllm_hysparse import envs
 from vllm_hysparse.attention.paged import bind_write_kv, split_kv_cache
 from vllm_hysparse.metrics import worker_stats
@@ -319,13 +320,17 @@ class HySparseAttentionImpl(AttentionImpl):
         fused_window: name of a sliding-window `Attention` (a HySparse sparse layer's SWA branch) whose
             cache write and attention this layer's op runs too, on the key / value it is given; its output
             then has two halves, `[2T, H, Dv]`: this layer's rows, then the window layer's.
+        gate_width: with `fused_window`, the width per head of each branch's gate (Dv elementwise, 1 headwise;
+            SPEC §2.5), 0 for none. The output buffer then carries the gates in: flat, `[T, 2, H, gate_width]`
+            (this layer's, the window layer's), then `[T, H, Dv]`, where the op stores
+            `sigmoid(g_sparse) * global + sigmoid(g_swa) * window` (`models.hysparse`, `run_attention_op`).
     """
 
     def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
                  logits_soft_cap=None, attn_type=AttentionType.DECODER, kv_sharing_target_layer_name=None, *,
                  hysparse_role: str, index_buffer: torch.Tensor | None = None,
                  selection: BlockSelection | TokenSelection | WindowSelection | None = None,
-                 sinks: torch.Tensor | None = None, fused_window: str | None = None):
+                 sinks: torch.Tensor | None = None, fused_window: str | None = None, gate_width: int = 0):
         if hysparse_role not in ROLE_TABLE:
             raise ValueError(f"hysparse_role: must be one of {ROLES} (got {hysparse_role!r})")
         if alibi_slopes is not None or logits_soft_cap:
@@ -345,7 +350,10 @@ class HySparseAttentionImpl(AttentionImpl):
         self.index_buffer = index_buffer
         self.selection = selection
         self.sinks = sinks
+        if gate_width and fused_window is None:
+            raise ValueError("gate_width: only with fused_window (a sparse layer's two branches)")
         self.fused_window = fused_window
+        self.gate_width = gate_width
         self._kernel: tuple[str, Callable] | None = None  # (path, function), resolved on the first call
         if current_platform.is_cpu() and kernel_path(torch.device("cpu")) == "torch":
             # at model load: a build needed here must never happen inside a request (one log line if it runs)
@@ -410,7 +418,7 @@ class HySparseAttentionImpl(AttentionImpl):
             return step_window_positions(meta, n, self.num_kv_heads, self.selection.window)
         return None
 
-    def _window_branch(self, query, key, value, output) -> None:
+    def _window_branch(self, query, key, value, output, gate=None) -> None:
         """The `fused_window` layer's step, as vLLM's two attention ops would run it: its cache write, then its
         attention (its own backend, metadata, cache and slots) -> `output [T, H, Dv]`.
 
@@ -425,16 +433,40 @@ class HySparseAttentionImpl(AttentionImpl):
         # sees the write.
         if slots is not None and not layer.attn_backend.forward_includes_kv_cache_update:
             layer.impl.do_kv_cache_update(layer, key, value, kv_cache, slots)
-        layer.impl.forward(layer, query, key, value, kv_cache, metadata, output=output)
+        if isinstance(layer.impl, HySparseAttentionImpl):
+            layer.impl.forward(layer, query, key, value, kv_cache, metadata, output=output, gate=gate)
+        elif gate is None:
+            layer.impl.forward(layer, query, key, value, kv_cache, metadata, output=output)
+        else:  # vLLM's own backend serves the window (`models.layers.window_attention`): gated afterwards
+            rows = layer.impl.forward(layer, query, key, value, kv_cache, metadata, output=torch.empty_like(output))
+            if metadata is not None:
+                gated_store(output, rows, gate, accumulate=False)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata: HySparseMetadata | None, output,
-                output_scale=None, output_block_scale=None):
+                output_scale=None, output_block_scale=None, gate=None, accumulate=False):
         """query `[T, H, D]`, kv_cache `[blocks, G, page, D + Dv]` -> `output [T, H, Dv]` (`[2T, H, Dv]` with
-        `fused_window`: this layer's rows, then the window layer's, from key `[T, G, D]` and value `[T, G, Dv]`)."""
+        `fused_window`: this layer's rows, then the window layer's, from key `[T, G, D]` and value `[T, G, Dv]`;
+        with `gate_width`, the gated sum of both in the flat buffer described in the class docstring).
+
+        gate `[T, H, Dv]` (a last stride of 0: one per head): rows stored as `paged_batch.gated_store`,
+        `output = (output if accumulate else 0) + sigmoid(gate) * attention`; a sparse layer's op passes it to its
+        window layer and to its own rows."""
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("fused output quantization is not supported by the HySparse backend")
+        t = query.shape[0]
+        if self.gate_width:
+            gates = output[: t * 2 * self.num_heads * self.gate_width].view(t, 2, self.num_heads, self.gate_width)
+            output = output[gates.numel():].view(t, self.num_heads, -1)
+            g_sparse, g_swa = (g.expand(-1, -1, output.shape[2]) for g in gates.unbind(1))
+            self._window_branch(query, key, value, output, gate=g_swa)
+            self._attend(layer, query, kv_cache, attn_metadata, output, g_sparse, True)
+            return output
         if self.fused_window is not None:
-            self._window_branch(query, key, value, output[query.shape[0]:])
+            self._window_branch(query, key, value, output[t:])
+        return self._attend(layer, query, kv_cache, attn_metadata, output, gate, accumulate)
+
+    def _attend(self, layer, query, kv_cache, attn_metadata: HySparseMetadata | None, output, gate, accumulate):
+        """This layer's role over the step (`forward`, after the window branch of a sparse layer)."""
         if attn_metadata is None:  # profiling / warm-up run
             return output
         path, kernel = self._resolve(query.device)
@@ -446,8 +478,9 @@ class HySparseAttentionImpl(AttentionImpl):
             rows = meta.plan.num_tokens
             # the bound kernels take the index buffer; the window walk needs no positions
             ids = self.index_buffer[:rows] if role.publishes or role.reads_index else None
-            run(query[:rows], meta.block_table, meta.plan, output[:rows], ids)
-            if rows < n:  # padding rows
+            gated = () if gate is None else (gate[:rows], accumulate)
+            run(query[:rows], meta.block_table, meta.plan, output[:rows], ids, *gated)
+            if rows < n and not accumulate:  # padding rows
                 output[rows:n].zero_()
                 if role.publishes:
                     self.index_buffer[rows:n].fill_(-1)
@@ -468,7 +501,10 @@ class HySparseAttentionImpl(AttentionImpl):
                 kwargs["indices"] = self.index_buffer[:n]  # the kernel writes the followers' ids in place
         elif role.bounded_by_seq_len:
             kwargs["max_seq_len"] = meta.max_seq_len
-        result = kernel(*args, scale=self.scale, out=output[:n], **kwargs)
+        result = kernel(*args, scale=self.scale, out=output[:n] if gate is None else torch.empty_like(output[:n]),
+                        **kwargs)
+        if gate is not None:
+            gated_store(output[:n], result, gate[:n], accumulate)
         if role.publishes:
             ids = result[1]
             if ids.data_ptr() != self.index_buffer.data_ptr():

@@ -45,7 +45,6 @@ from vllm_hysparse.configs.tensors import layer_kind
 from vllm_hysparse.models.causal_lm import HybridForCausalLM
 from vllm_hysparse.models.layers import (
     PreNormDecoderLayer,
-    apply_gate,
     gate_width,
     make_sinks,
     maybe_head_norm,
@@ -57,6 +56,7 @@ from vllm_hysparse.models.layers import (
 )
 from vllm_hysparse.models.loader import QKV_STACK
 from vllm_hysparse.models.tp_heads import HeadSplit
+from vllm_hysparse.vllm_glue.forward_context import run_attention_op
 
 # HF module under `self_attn.` -> (vLLM parameter owner, shard id) of the fused projections.
 STACKS = {
@@ -122,7 +122,6 @@ class HySparseSparseAttention(nn.Module):
         width = gate_width(config)
         self.gate_proj = MergedColumnParallelLinear(config.hidden_size, [width] * 2, bias=False,
                                                     quant_config=quant_config, prefix=f"{prefix}.gate_proj")
-        self.gate_width = width // h.tp
         self.q_norm, self.swa_k_norm = maybe_head_norm(config), maybe_head_norm(config)
         self.sparse_sinks, self.swa_sinks = make_sinks(config, h), make_sinks(config, h)
         self.rotary_emb = get_rope(config.head_dim, max_position=config.max_position_embeddings,
@@ -134,7 +133,8 @@ class HySparseSparseAttention(nn.Module):
             kv_sharing_target_layer_name=attn_layer_name(oracle_layer),
             attn_backend=HySparseAttentionBackend, hysparse_role="block_sparse", index_buffer=index_buffer,
             selection=BlockSelection(config.sparse_block_size, config.sparse_topk_blocks),
-            sinks=self.sparse_sinks, fused_window=f"{prefix}.swa_attn", **separate_v(config), **common)
+            sinks=self.sparse_sinks, fused_window=f"{prefix}.swa_attn", gate_width=width // config.num_attention_heads,
+            **separate_v(config), **common)
         # Owns the window cache; its op never runs: `attn`'s op writes and attends it too (one op, not two).
         self.swa_attn = Attention(h.num_heads, config.head_dim, scale, prefix=f"{prefix}.swa_attn",
                                   **window_attention(config, self.swa_sinks, cache_config), **common)
@@ -143,14 +143,13 @@ class HySparseSparseAttention(nn.Module):
         h = self.heads
         q, k, v = project_qkv(self.q_swa_kv_proj, h, hidden_states, self.q_norm, self.swa_k_norm)
         q, k = self.rotary_emb(positions, q, k)
-        # Both branches in one attention op (`fused_window`): rows [:T] global, [T:] SWA.
-        t = q.shape[0]
-        o_sparse, o_swa = self.attn(q, k, v, output_shape=torch.Size((2, t, h.num_heads * h.head_dim_v))).view(
-            2, t, -1).unbind(0)
         gates, _ = self.gate_proj(hidden_states)
-        g_sparse, g_swa = gates.split([self.gate_width, self.gate_width], dim=-1)
-        o = apply_gate(g_sparse, o_sparse, h) + apply_gate(g_swa, o_swa, h)
-        out, _ = self.o_proj(o.to(hidden_states.dtype))
+        # Both branches in one attention op (`fused_window`), which stores sigmoid(g_sparse) * global +
+        # sigmoid(g_swa) * window (`gate_width`): its output buffer carries the gates in, then that sum.
+        t = q.shape[0]
+        output = torch.cat([gates.to(q.dtype).reshape(-1), q.new_empty(t * h.num_heads * h.head_dim_v)])
+        run_attention_op(self.attn, q, k, v, output)
+        out, _ = self.o_proj(output[gates.numel():].view(t, -1).to(hidden_states.dtype))
         return out
 
 

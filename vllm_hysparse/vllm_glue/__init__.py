@@ -136,6 +136,9 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
     TouchPoint("forward_context.attention_context", "model_executor/layers/attention/attention.py",
                "vllm.model_executor.layers.attention.attention:get_attention_context",
                "reads a layer, its metadata, kv_cache and slots (HySparse2's bridge write, HySparse's SWA branch)"),
+    TouchPoint("forward_context.run_attention_op", "model_executor/layers/attention/attention.py",
+               "vllm.model_executor.layers.attention.attention:unified_attention_with_output",
+               "calls a layer's attention op on a buffer of the caller's (HySparse's gates ride in it)"),
 )
 
 

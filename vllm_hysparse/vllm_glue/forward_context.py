@@ -10,6 +10,8 @@ and every change is here.
 import contextlib
 import dataclasses
 
+import torch
+
 
 def attn_metadata():
     """This step's attention metadata, by layer name (None in a profiling run)."""
@@ -48,6 +50,30 @@ def attention_context(layer_name: str):
     from vllm.model_executor.layers.attention.attention import get_attention_context
 
     return get_attention_context(layer_name)
+
+
+def run_attention_op(layer, query, key, value, output) -> None:
+    """`layer`'s attention op on an output buffer the caller made: vLLM's `unified_attention_with_output`
+    (vllm/model_executor/layers/attention/attention.py), called as `Attention.forward` calls it.
+
+    `Attention.forward` allocates the output itself; a HySparse sparse layer hands its op a buffer that carries the
+    gates of both branches in, so that the op stores their gated sum (`HySparseAttentionImpl`, `gate_width`). Only
+    for a layer that writes no cache of its own through vLLM's K/V write op (a KV-sharing layer, or a backend that
+    writes inside its forward), whose query needs no quantisation (the HySparse backend takes none).
+
+    query `[T, H * D]`, key `[T, G * D]`, value `[T, G * Dv]`; output: any buffer the layer's backend reads.
+    """
+    from vllm.model_executor.layers.attention.attention import _encode_layer_name, unified_attention_with_output
+
+    if layer.kv_sharing_target_layer_name is None and not layer.attn_backend.forward_includes_kv_cache_update:
+        raise ValueError(f"{layer.layer_name}: its K/V write runs in vLLM's own op; call the layer instead")
+    query = query.view(-1, layer.num_heads, layer.head_size)
+    key = key.view(-1, layer.num_kv_heads, layer.head_size)
+    value = value.view(-1, layer.num_kv_heads, layer.head_size_v)
+    if layer.use_direct_call:
+        unified_attention_with_output(query, key, value, output, layer.layer_name)
+    else:
+        torch.ops.vllm.unified_attention_with_output(query, key, value, output, _encode_layer_name(layer.layer_name))
 
 
 @contextlib.contextmanager

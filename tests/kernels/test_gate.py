@@ -1,0 +1,115 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Gated rows of the C++ sparse and window kernels (`csrc_triton/cpu_gate.h`) against float64 attention through
+float64 gates, and against each kernel's ungated rows through `gated_store`, the PyTorch twin.
+
+Elementwise gates and headwise ones (one per head, expanded over the head dim); a kernel storing its gated rows
+over poisoned outputs, or adding them to rows already there; the two branches of a HySparse sparse layer chained
+as its op runs them (window first, then the global branch adding its own). Gates drawn wide enough to saturate the
+sigmoid both ways. Inputs drawn from a printed seed.
+"""
+
+import pytest
+import torch
+
+from csrc_triton.block_sparse.batched import bind_block_sparse
+from csrc_triton.paged_batch import gated_store, make_plan
+from csrc_triton.window import bind_window
+from tests.kernel_utils import dense_causal, nan_out
+from tests.kernels import oracle_cases as orc
+from tests.kernels.block_sparse_cases import all_blocks
+from tests.kernels.test_oracle_tiled import CASES
+
+SEED = 5100
+MODES = ["elementwise", "headwise"]
+
+
+def draw(case, seed, mode):
+    """Inputs, sinks and a gate `[T, H, Dv]` (headwise: `[T, H, 1]` expanded, its last stride 0)."""
+    batch, q = orc.make_inputs(case, torch.float32, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    sinks = torch.randn(case.num_heads, generator=g)
+    width = batch.v_cache.shape[-1] if mode == "elementwise" else 1
+    gate = 6 * torch.randn(q.shape[0], case.num_heads, width, generator=g)  # sigmoid near 0 and near 1 too
+    return batch, q, sinks, gate.expand(-1, -1, batch.v_cache.shape[-1])
+
+
+def kernels(case, batch, q, sinks, window):
+    """(window run, block-sparse run over every visible block, plan, block ids)."""
+    n = sum(batch.q_lens)
+    scale = case.head_dim ** -0.5
+    plan = make_plan(batch.query_start_loc, batch.seq_lens_t, n, q.device)
+    win = bind_window(q, batch.k_cache, batch.v_cache, scale=scale, sinks=sinks, window=window)
+    glob = bind_block_sparse(q, batch.k_cache, batch.v_cache, scale=scale, sparse_block_size=case.block_size,
+                             sinks=sinks)
+    assert win is not None and glob is not None, "both C++ kernels must run on this case"
+    ids = all_blocks(batch, case.num_kv_heads, case.block_size)[:n].contiguous()
+    return win, glob, plan, ids
+
+
+def check(out, ref, what):
+    assert not out.isnan().any(), f"{what}: every row must be written"
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
+    close = ((out.double() - ref).abs() <= 1e-4 + 1e-4 * ref.abs()).float().mean().item()
+    print(f"{what}: elements within tolerance: {close:.4f} of {out.numel()}")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", CASES[-4:], ids=str)
+def test_gated_rows_match_reference(case, mode):
+    """Each kernel's gated rows: stored over poison, and added to rows already there."""
+    seed = SEED + CASES.index(case) * len(MODES) + MODES.index(mode)
+    print(f"seed {seed}")
+    batch, q, sinks, gate = draw(case, seed, mode)
+    n, window = sum(batch.q_lens), 48
+    win, glob, plan, ids = kernels(case, batch, q, sinks, window)
+    s = torch.sigmoid(gate[:n].double())
+    prior = torch.randn(n, case.num_heads, batch.v_cache.shape[-1], generator=torch.Generator().manual_seed(seed))
+    scale = case.head_dim ** -0.5
+    for name, run, ref in (("window", lambda o, **kw: win(q[:n], batch.block_table, plan, o, **kw),
+                            dense_causal(batch, q, scale, sinks, window)[:n]),
+                           ("block-sparse", lambda o, **kw: glob(q[:n], batch.block_table, plan, o, ids, **kw),
+                            dense_causal(batch, q, scale, sinks)[:n])):
+        stored = nan_out(batch, q)[:n]
+        run(stored, gate=gate[:n])
+        check(stored, s * ref, f"{name}, stored")
+        added = prior.clone()
+        run(added, gate=gate[:n], accumulate=True)
+        check(added, prior.double() + s * ref, f"{name}, added")
+        plain = nan_out(batch, q)[:n]
+        run(plain)
+        twin = gated_store(prior.clone(), plain, gate[:n], accumulate=True)
+        torch.testing.assert_close(added, twin, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", CASES[-4:], ids=str)
+def test_sparse_layer_mix(case, mode):
+    """A sparse layer's two branches in one buffer, as its op runs them: sigmoid(g_sparse) * global +
+    sigmoid(g_swa) * window."""
+    seed = SEED + 100 + CASES.index(case) * len(MODES) + MODES.index(mode)
+    print(f"seed {seed}")
+    batch, q, sinks, g_swa = draw(case, seed, mode)
+    g_sparse = draw(case, seed + 1, mode)[3]
+    n, window = sum(batch.q_lens), 33
+    win, glob, plan, ids = kernels(case, batch, q, sinks, window)
+    out = nan_out(batch, q)[:n]
+    win(q[:n], batch.block_table, plan, out, gate=g_swa[:n])
+    glob(q[:n], batch.block_table, plan, out, ids, gate=g_sparse[:n], accumulate=True)
+    scale = case.head_dim ** -0.5
+    ref = (torch.sigmoid(g_sparse[:n].double()) * dense_causal(batch, q, scale, sinks)[:n]
+           + torch.sigmoid(g_swa[:n].double()) * dense_causal(batch, q, scale, sinks, window)[:n])
+    check(out, ref, "both branches")
+
+
+def test_bad_gates_are_refused():
+    case = CASES[-1]
+    batch, q, sinks, gate = draw(case, SEED + 200, "elementwise")
+    n = sum(batch.q_lens)
+    win, glob, plan, ids = kernels(case, batch, q, sinks, 16)
+    out = nan_out(batch, q)[:n]
+    with pytest.raises(RuntimeError, match="accumulate: only with a gate"):
+        glob(q[:n], batch.block_table, plan, out, ids, accumulate=True)
+    with pytest.raises(RuntimeError, match="gate: expected"):
+        win(q[:n], batch.block_table, plan, out, gate=gate[: n - 1])
+    with pytest.raises(RuntimeError, match="gate: expected"):
+        glob(q[:n], batch.block_table, plan, out, ids, gate=gate[:n].double())
