@@ -142,12 +142,27 @@ inline void score_n(const float* qs, const float* kt, float* s) {
   for (int q = 0; q < NQ; ++q)
     for (int c = 0; c < NK; ++c) a[q][c] = splatv<V>(0.f);
   for (int d = 0; d < DIM; ++d) {
+#ifdef __AVX512F__
+    // 32 registers hold the NQ broadcasts and each key vector once. Written as below, GCC reloaded every key
+    // vector as a memory operand of each of its NQ FMAs (16 loads per 16 FMAs on AVX-512, which bound the loop):
+    // the empty asm pins it in a register. The oracle's 2,048-row prefill chunk at 8k: 320 -> 266 ms, AMD EPYC
+    // with AVX-512 (benchmarks/results/experiments/avx512_2026-12-07.md). AVX2's 16 registers do not fit it (the
+    // same chunk 331 -> 428 ms): there, the loop below.
+    V x[NQ];
+    for (int q = 0; q < NQ; ++q) x[q] = splatv<V>(qs[q * DIM + d]);
+    for (int c = 0; c < NK; ++c) {
+      V k = loadv<V>(kt + d * KT + c * W);
+      asm("" : "+v"(k));
+      for (int q = 0; q < NQ; ++q) a[q][c] += x[q] * k;
+    }
+#else
     V k[NK];
     for (int c = 0; c < NK; ++c) k[c] = loadv<V>(kt + d * KT + c * W);
     for (int q = 0; q < NQ; ++q) {
       const V x = splatv<V>(qs[q * DIM + d]);
       for (int c = 0; c < NK; ++c) a[q][c] += x * k[c];
     }
+#endif
   }
   for (int q = 0; q < NQ; ++q)
     for (int c = 0; c < NK; ++c) storev<V>(s + q * KT + c * W, a[q][c]);
