@@ -78,7 +78,8 @@ def _is_built(name: str) -> bool:
     """Whether torch's extension cache holds a build of `name` at least as new as its sources."""
     module = _module_name(name)
     lib = _build_dir(module) / f"{module}.so"
-    sources = (_SOURCES[name], *(Path(__file__).parent / h for h in ("cpu_online_softmax.h", "cpu_tile.h", "cpu_gate.h")))
+    headers = ("cpu_online_softmax.h", "cpu_tile.h", "cpu_gate.h")
+    sources = (_SOURCES[name], *(Path(__file__).parent / h for h in headers))
     return lib.exists() and lib.stat().st_mtime >= max(s.stat().st_mtime for s in sources if s.exists())
 
 

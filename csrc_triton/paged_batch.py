@@ -349,9 +349,9 @@ def bind_sparse(q, k_cache, v_cache, *, span: int, scale: float, sinks):
 
     Returns `run(q [n, H, D], block_table, plan, out [n, H, D], ids [n, G, W] int32, gate=None, accumulate=False)`
     for the `n = plan.num_tokens` rows of a step; with `gate` (`[n, H, D]` float32, its last stride 1 or 0) the rows
-    are stored through it, as `gated_store`. The serving path binds it once per layer and cache (`HySparseAttentionImpl`):
-    what is checked here holds for the cache's life, and per call these checks and lookups cost more than the
-    kernel does for a decode row (0.07 ms of 0.11 at 512 tokens, 2-core AMD EPYC).
+    are stored through it, as `gated_store`. The serving path binds it once per layer and cache
+    (`HySparseAttentionImpl`): what is checked here holds for the cache's life, and per call these checks and
+    lookups cost more than the kernel does for a decode row (0.07 ms of 0.11 at 512 tokens, 2-core AMD EPYC).
     """
     pages = cpu_kernel_pages(k_cache, v_cache)
     ext = cpu_ext.load("sparse") if pages is not None and q.dtype == torch.float32 else None

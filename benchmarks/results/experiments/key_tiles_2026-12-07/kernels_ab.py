@@ -7,7 +7,8 @@ blocks and the window walk, all with sinks where they take them.
 Each tree is a copy of `csrc_triton/` (at least cpu_sparse.cpp, cpu_tile.h, cpu_online_softmax.h and
 oracle/cpu_tiled.cpp), e.g. `git archive <rev> csrc_triton | tar -x -C /tmp/old`. ROWS = 1: one decode row for each
 of 8 requests; otherwise one prefill chunk of ROWS rows of one request. SHARED=1: the requests share their pages.
-Prints the median time of each side and the median of the per-pair ratios new/old.
+Prints the median time of each side and the median of the per-pair ratios new/old. OLD_FLAGS / NEW_FLAGS: extra
+compiler flags of each side (e.g. NEW_FLAGS=-mno-avx512f builds the AVX2 paths on an AVX-512 CPU).
 """
 import os
 import statistics
@@ -38,7 +39,8 @@ def build(tree: Path, side: str) -> dict:
     libs = {}
     for name, src in SOURCES.items():
         module = f"ab_{name}_{side}_{abs(hash(str(tree.resolve()))) % 10**8}"
-        load(name=module, sources=[str(tree / src)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+        extra = os.environ.get(f"{side.upper()}_FLAGS", "").split()
+        load(name=module, sources=[str(tree / src)], extra_cflags=FLAGS + extra, extra_ldflags=["-fopenmp"],
              build_directory=str((tree / src).parent), is_python_module=False)
         ops = getattr(torch.ops, module)
         lib = SimpleNamespace(**{op: getattr(ops, op) for op in cpu_ext._OPS[name]})
