@@ -11,8 +11,8 @@ file each depends on. The rest of the plugin calls these functions and never
 patches vLLM, swaps its classes, writes its tables or reads its private state
 itself (tests/test_vllm_glue.py checks that).
 
-`vllm_0_33.md` beside this file records which touch points still hold in vLLM 0.33.0 (all 29; one changes
-behaviour) and what else 0.33 breaks.
+`vllm_0_33.md` beside this file records which touch points still hold in vLLM 0.33.0 (all 29 audited; one changes
+behaviour; `run_attention_op`, added later, is not audited) and what else 0.33 breaks.
 
 Importing this package imports nothing from vLLM (the plugin's import stays
 light); each function imports what it touches when it runs.
