@@ -145,7 +145,7 @@ inline void score_n(const float* qs, const float* kt, float* s) {
 #ifdef __AVX512F__
     // 32 registers hold the NQ broadcasts and each key vector once. Written as below, GCC reloaded every key
     // vector as a memory operand of each of its NQ FMAs (16 loads per 16 FMAs on AVX-512, which bound the loop):
-    // the empty asm pins it in a register. The oracle's 2,048-row prefill chunk at 8k: 320 -> 266 ms, AMD EPYC
+    // the empty asm pins it in a register. The oracle's 2,048-row prefill chunk at 8k: 314 -> 255 ms, AMD EPYC
     // with AVX-512 (benchmarks/results/experiments/avx512_2026-12-07.md). AVX2's 16 registers do not fit it (the
     // same chunk 331 -> 428 ms): there, the loop below.
     V x[NQ];
