@@ -208,11 +208,16 @@ def run_model(name: str, ckpt: Path, ctx: int, args, compiled: bool = False) -> 
         # the last chunk, profiled (then timed below on a fresh prompt without the prefix cache), or timed
         result["prefill"] = {"step_ms_unprofiled": step_ms(engine)} if compiled else profile_step(engine)
         result["prefill"]["rows"] = ctx - (chunks - 1) * args.chunk
-        # the other requests share the prompt (prefix cache) and add one token of their own
+        # the other requests share the prompt (prefix cache) and add one token of their own, or with
+        # `--prefix-fraction` share its first part and add their own tail, as `serve_bench.py --prefix-fraction`
+        shared = ctx - 1 if args.prefix_fraction is None else int(ctx * args.prefix_fraction)
         for i in range(1, args.num_reqs):
-            engine.add_request(f"r{i}", TokensPrompt(prompt_token_ids=prompt[:-1] + [1000 + i]), params)
-        for _ in range(4):  # their prefills (one page at most each), then every request decoding
-            engine.step()
+            tail = torch.randint(10, 1000, (ctx - shared,), generator=gen).tolist()
+            engine.add_request(f"r{i}", TokensPrompt(prompt_token_ids=prompt[:shared] + tail), params)
+        started = {"r0"}
+        while len(started) < args.num_reqs:  # their prefills, until every request decodes
+            started.update(o.request_id for o in engine.step() if o.outputs and o.outputs[0].token_ids)
+        engine.step()
         times = [step_ms(engine) for _ in range(args.reps)]
         result["decode"] = {} if compiled else profile_step(engine)
         result["decode"]["step_ms_unprofiled"] = statistics.median(times)
@@ -253,7 +258,9 @@ def markdown(result: dict) -> str:
              f"`{result['command']}` on {result['machine']}, torch {result['torch']}, load before the run: "
              f"{result['load']}, OMP_WAIT_POLICY {result.get('omp_wait_policy') or 'unset'}. vLLM engine in "
              f"process, eager, prefix caching on, chunked prefill of {result['chunk']} tokens, "
-             f"{result['num_reqs']} decode requests on one shared prompt. "
+             f"{result['num_reqs']} decode requests on one shared prompt"
+             + (f" (its first {result['prefix_fraction']:.0%}, then a tail of their own). "
+                if result.get("prefix_fraction") is not None else ". ") +
              "Times are profiled (inclusive, ms, one step); `unprofiled` is the same step's wall time "
              "without the profiler (decode: median of the timed steps).", ""]
     for ctx, models in result["contexts"].items():
@@ -313,6 +320,8 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--top-ops", type=int, default=12)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prefix-fraction", type=float, default=None,
+                        help="share of the prompt the decode requests have in common (default: all but one token)")
     parser.add_argument("--checkpoints", type=Path, default=CHECKPOINT_DIR)
     parser.add_argument("--results", type=Path, default=RESULTS_DIR)
     parser.add_argument("--tag", default="", help="suffix of the result files")
@@ -323,7 +332,8 @@ def main(argv=None) -> int:
               "machine": f"{platform.machine()} {torch.get_num_threads()} threads", "torch": torch.__version__,
               "load": " ".join(f"{x:.2f}" for x in os.getloadavg()), "chunk": args.chunk,
               "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-              "num_reqs": args.num_reqs, "reps": args.reps, "top_ops": args.top_ops, "contexts": {}}
+              "num_reqs": args.num_reqs, "prefix_fraction": args.prefix_fraction, "reps": args.reps,
+              "top_ops": args.top_ops, "contexts": {}}
     args.results.mkdir(parents=True, exist_ok=True)
     stem = args.results / f"layer_breakdown_{datetime.datetime.now():%Y-%m-%d_%H%M}{args.tag}"
     for ctx in args.contexts:
