@@ -72,11 +72,20 @@ def kv_scaled(entry):
     `scale * q . (k_scale * k)` is `(scale * k_scale) * q . k`, so `k_scale` joins the logit scale (and the
     oracles' selections, which rank those logits, stay exact). The output is linear in V (softmax weights,
     a sink only adds to their denominator), so `v_scale` multiplies the output once, in place.
-    `entry` returns `out` or a tuple whose first item is `out`.
+    `entry` returns `out` or a tuple whose first item is `out`. An entry that stores its rows through a `gate`
+    (a sparse layer's branch) gates the attention, not what `out` held: with a `v_scale`, its plain rows are
+    scaled and then gated by `paged_batch.gated_store`.
     """
 
     @functools.wraps(entry)
     def scaled(*args, scale, k_scale: float = 1.0, v_scale: float = 1.0, **kwargs):
+        if v_scale != 1.0 and kwargs.get("gate") is not None:
+            from csrc_triton.paged_batch import gated_store  # it imports this module
+
+            gate, accumulate, out = kwargs.pop("gate"), kwargs.pop("accumulate", False), kwargs.pop("out", None)
+            rows = entry(*args, scale=scale * k_scale, **kwargs).mul_(v_scale)
+            assert out is not None or not accumulate, "accumulate: needs an out to add to"
+            return gated_store(torch.empty_like(rows) if out is None else out, rows, gate, accumulate)
         result = entry(*args, scale=scale * k_scale, **kwargs)
         if v_scale != 1.0:
             (result[0] if isinstance(result, tuple) else result).mul_(v_scale)

@@ -6,7 +6,7 @@ of the tile, so each gathered K/V tile is loaded once for all of them. The
 program walks the token's selected blocks and gathers each block's keys
 through the block table (a block may span several pages or share one).
 
-`find_request`, `attend_paged_tile` and `launch_config` are
+`find_request`, `attend_paged_tile`, `store_rows`, `launch_config` and `gate_args` are
 shared with the token-sparse kernel.
 """
 
@@ -92,12 +92,42 @@ def attend_paged_tile(
 
 
 @triton.jit
+def store_rows(p_o, b_o, m_hdv, p_gt, i_h, o_dv, stride_g_h, stride_g_d, USE_GATE: tl.constexpr,
+               ACCUMULATE: tl.constexpr):
+    """Store a program's rows b_o `[BLOCK_H, BLOCK_DV]` (float32) at p_o: as they are, or with USE_GATE through
+    the gate of the row at p_gt (heads i_h, dims o_dv): `(out if ACCUMULATE else 0) + sigmoid(gate) * b_o` in
+    float32 (SPEC §2.5), as `paged_batch.gated_store` and the C++ kernels' stores (`cpu_gate.h`). A sparse layer's
+    two branches then meet in one buffer without a pass over both outputs after the kernels. The callers form the
+    output's pointers, and this the gate's, after the key loop: live through it, they spilled 8 B (sm_90,
+    `block_sparse-gated` at 3 heads per group, D 128, `tests/kernels_aot`)."""
+    if USE_GATE:
+        p_g = p_gt + i_h[:, None] * stride_g_h + o_dv[None, :] * stride_g_d
+        b_o = b_o * tl.sigmoid(tl.load(p_g, mask=m_hdv, other=0.0).to(tl.float32))
+        if ACCUMULATE:
+            b_o += tl.load(p_o, mask=m_hdv, other=0.0).to(tl.float32)
+    tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=m_hdv)
+
+
+def gate_args(gate, accumulate: bool, out) -> dict:
+    """The gate's launch arguments (`store_rows`): gate `[T, H, Dv]` float (any strides: a last stride of 0 for
+    one gate per head) or None; `accumulate` only with a gate."""
+    if gate is None:
+        assert not accumulate, "accumulate: only with a gate"
+        return dict(gate=out, stride_g_t=0, stride_g_h=0, stride_g_d=0, USE_GATE=False, ACCUMULATE=False)
+    assert gate.shape == out.shape and gate.is_floating_point() and gate.device == out.device, \
+        f"gate: expected a float {tuple(out.shape)} tensor on {out.device}, got {gate.dtype} {tuple(gate.shape)}"
+    return dict(gate=gate, stride_g_t=gate.stride(0), stride_g_h=gate.stride(1), stride_g_d=gate.stride(2),
+                USE_GATE=True, ACCUMULATE=accumulate)
+
+
+@triton.jit
 def block_sparse_attn_fwd_kernel(
     q,  # [T, H, D]
     k_cache,  # [num_pages, G, page_size, D]
     v_cache,  # [num_pages, G, page_size, Dv]
     out,  # [T, H, Dv]
     sinks,  # [H] float32, read only when USE_SINKS
+    gate,  # [T, H, Dv], read only when USE_GATE
     block_table,  # [R, max_pages] int32
     query_start_loc,  # [R + 1] int32
     seq_lens,  # [R] int32
@@ -109,6 +139,7 @@ def block_sparse_attn_fwd_kernel(
     stride_k_p, stride_k_g, stride_k_s, stride_k_d,
     stride_v_p, stride_v_g, stride_v_s, stride_v_d,
     stride_o_t, stride_o_h, stride_o_d,
+    stride_g_t, stride_g_h, stride_g_d,
     stride_bt_r,
     stride_bi_t, stride_bi_g, stride_bi_k,
     HEADS_PER_GROUP: tl.constexpr,
@@ -117,6 +148,8 @@ def block_sparse_attn_fwd_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     USE_SINKS: tl.constexpr,
+    USE_GATE: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
     DOT_FP32: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -131,12 +164,13 @@ def block_sparse_attn_fwd_kernel(
     i_h = i_g * HEADS_PER_GROUP + o_h
     m_hd = (o_h < HEADS_PER_GROUP)[:, None] & (o_d < HEAD_DIM)[None, :]
     m_hdv = (o_h < HEADS_PER_GROUP)[:, None] & (o_dv < HEAD_DIM_V)[None, :]
-    p_o = out + i_t * stride_o_t + i_h[:, None] * stride_o_h + o_dv[None, :] * stride_o_d
 
     i_r = find_request(query_start_loc, num_reqs, i_t.to(tl.int32))
     if i_r >= num_reqs:
-        # a padding row past the last request: write zeros, never leave stale memory
-        tl.store(p_o, tl.zeros([BLOCK_H, BLOCK_DV], tl.float32).to(out.dtype.element_ty), mask=m_hdv)
+        # a padding row past the last request: write zeros (its gated term is 0 too), never leave stale memory
+        p_o = out + i_t * stride_o_t + i_h[:, None] * stride_o_h + o_dv[None, :] * stride_o_d
+        store_rows(p_o, tl.zeros([BLOCK_H, BLOCK_DV], tl.float32), m_hdv, gate + i_t * stride_g_t,
+                   i_h, o_dv, stride_g_h, stride_g_d, USE_GATE, ACCUMULATE)
         return
     bos = tl.load(query_start_loc + i_r)
     eos = tl.load(query_start_loc + i_r + 1)
@@ -183,7 +217,8 @@ def block_sparse_attn_fwd_kernel(
                 )
     # no key and no sink: l = 0 and the output is 0
     b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
-    tl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_hdv)
+    p_o = out + i_t * stride_o_t + i_h[:, None] * stride_o_h + o_dv[None, :] * stride_o_d  # after the loop (store_rows)
+    store_rows(p_o, b_o, m_hdv, gate + i_t * stride_g_t, i_h, o_dv, stride_g_h, stride_g_d, USE_GATE, ACCUMULATE)
 
 
 def launch_config(q, head_dim, heads_per_group, head_dim_v=None):
@@ -208,7 +243,7 @@ def launch_config(q, head_dim, heads_per_group, head_dim_v=None):
 
 @kv_scaled
 def block_sparse_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, block_indices, *,
-                           scale, sparse_block_size, sinks=None, out=None):
+                           scale, sparse_block_size, sinks=None, out=None, gate=None, accumulate=False):
     """Attention of every query row over the keys of its selected blocks (SPEC §3.2 global branch).
 
     Args:
@@ -228,12 +263,16 @@ def block_sparse_attention(q, k_cache, v_cache, block_table, query_start_loc, se
         sparse_block_size (int): positions per block.
         sinks (torch.Tensor, Optional): `[H]` sink logits (unscaled, no value). Default: `None`.
         out (torch.Tensor, Optional): `[T, H, Dv]` in q's dtype; every element is written. Default: `None`.
+        gate (torch.Tensor, Optional): `[T, H, Dv]`, any float dtype and strides (a last stride of 0: one gate
+            per head): rows are stored as `sigmoid(gate) * attention` (SPEC §2.5), in float32. Default: `None`.
+        accumulate (bool): with `gate`, add the gated rows to `out`'s instead (a sparse layer's second branch).
 
     Returns:
         `[T, H, Dv]` in q's dtype. Keys are the selected positions at or before the query;
-        rows past `query_start_loc[-1]` and rows with neither keys nor sink are 0.
+        rows past `query_start_loc[-1]` and rows with neither keys nor sink are 0 (their gated term too).
     """
     out, sinks = check_paged_batch(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, out, sinks)
+    gating = gate_args(gate, accumulate, out)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     assert block_indices.dim() == 3 and block_indices.shape[:2] == (num_tokens, num_kv_heads), \
@@ -258,6 +297,7 @@ def block_sparse_attention(q, k_cache, v_cache, block_table, query_start_loc, se
         query_start_loc=query_start_loc,
         seq_lens=seq_lens,
         block_indices=block_indices,
+        **gating,
         qk_scale=float(scale) * LOG2E.value,
         num_reqs=seq_lens.shape[0],
         num_selected=block_indices.shape[2],

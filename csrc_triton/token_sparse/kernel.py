@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from csrc_triton.block_sparse.kernel import LOG2E, attend_paged_tile, find_request, launch_config
+from csrc_triton.block_sparse.kernel import LOG2E, attend_paged_tile, find_request, gate_args, launch_config, store_rows
 from csrc_triton.paged_args import check_paged_batch, kv_scaled
 
 
@@ -22,6 +22,7 @@ def token_sparse_attn_fwd_kernel(
     v_cache,  # [num_pages, G, page_size, Dv]
     out,  # [T, H, Dv]
     sinks,  # [H] float32, read only when USE_SINKS
+    gate,  # [T, H, Dv], read only when USE_GATE
     block_table,  # [R, max_pages] int32
     query_start_loc,  # [R + 1] int32
     seq_lens,  # [R] int32
@@ -33,6 +34,7 @@ def token_sparse_attn_fwd_kernel(
     stride_k_p, stride_k_g, stride_k_s, stride_k_d,
     stride_v_p, stride_v_g, stride_v_s, stride_v_d,
     stride_o_t, stride_o_h, stride_o_d,
+    stride_g_t, stride_g_h, stride_g_d,
     stride_bt_r,
     stride_ti_t, stride_ti_g, stride_ti_s,
     HEADS_PER_GROUP: tl.constexpr,
@@ -40,6 +42,8 @@ def token_sparse_attn_fwd_kernel(
     HEAD_DIM_V: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     USE_SINKS: tl.constexpr,
+    USE_GATE: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
     DOT_FP32: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -54,12 +58,13 @@ def token_sparse_attn_fwd_kernel(
     i_h = i_g * HEADS_PER_GROUP + o_h
     m_hd = (o_h < HEADS_PER_GROUP)[:, None] & (o_d < HEAD_DIM)[None, :]
     m_hdv = (o_h < HEADS_PER_GROUP)[:, None] & (o_dv < HEAD_DIM_V)[None, :]
-    p_o = out + i_t * stride_o_t + i_h[:, None] * stride_o_h + o_dv[None, :] * stride_o_d
 
     i_r = find_request(query_start_loc, num_reqs, i_t.to(tl.int32))
     if i_r >= num_reqs:
-        # a padding row past the last request: write zeros, never leave stale memory
-        tl.store(p_o, tl.zeros([BLOCK_H, BLOCK_DV], tl.float32).to(out.dtype.element_ty), mask=m_hdv)
+        # a padding row past the last request: write zeros (its gated term is 0 too), never leave stale memory
+        p_o = out + i_t * stride_o_t + i_h[:, None] * stride_o_h + o_dv[None, :] * stride_o_d
+        store_rows(p_o, tl.zeros([BLOCK_H, BLOCK_DV], tl.float32), m_hdv, gate + i_t * stride_g_t,
+                   i_h, o_dv, stride_g_h, stride_g_d, USE_GATE, ACCUMULATE)
         return
     bos = tl.load(query_start_loc + i_r)
     eos = tl.load(query_start_loc + i_r + 1)
@@ -105,12 +110,13 @@ def token_sparse_attn_fwd_kernel(
             )
     # no key and no sink: l = 0 and the output is 0
     b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
-    tl.store(p_o, b_o.to(out.dtype.element_ty), mask=m_hdv)
+    p_o = out + i_t * stride_o_t + i_h[:, None] * stride_o_h + o_dv[None, :] * stride_o_d  # after the loop (store_rows)
+    store_rows(p_o, b_o, m_hdv, gate + i_t * stride_g_t, i_h, o_dv, stride_g_h, stride_g_d, USE_GATE, ACCUMULATE)
 
 
 @kv_scaled
 def token_sparse_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, token_indices, *,
-                           scale, sinks=None, out=None):
+                           scale, sinks=None, out=None, gate=None, accumulate=False):
     """One sink softmax of every query row over its selected key positions (SPEC §3.3 cross sparse layer).
 
     Args:
@@ -128,12 +134,14 @@ def token_sparse_attention(q, k_cache, v_cache, block_table, query_start_loc, se
             `paged_args.kv_scaled`). Default: 1.0.
         sinks (torch.Tensor, Optional): `[H]` sink logits (unscaled, no value). Default: `None`.
         out (torch.Tensor, Optional): `[T, H, Dv]` in q's dtype; every element is written. Default: `None`.
+        gate, accumulate: the rows stored through a gate, or added to `out`'s (`block_sparse_attention`'s).
 
     Returns:
         `[T, H, Dv]` in q's dtype. Positions after the query are ignored; rows past
-        `query_start_loc[-1]` and rows with neither keys nor sink are 0.
+        `query_start_loc[-1]` and rows with neither keys nor sink are 0 (their gated term too).
     """
     out, sinks = check_paged_batch(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, out, sinks)
+    gating = gate_args(gate, accumulate, out)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     assert token_indices.dim() == 3 and token_indices.shape[:2] == (num_tokens, num_kv_heads), \
@@ -156,6 +164,7 @@ def token_sparse_attention(q, k_cache, v_cache, block_table, query_start_loc, se
         query_start_loc=query_start_loc,
         seq_lens=seq_lens,
         token_indices=token_indices,
+        **gating,
         qk_scale=float(scale) * LOG2E.value,
         num_reqs=seq_lens.shape[0],
         num_selected=token_indices.shape[2],

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Gated rows of the C++ sparse and window kernels (`csrc_triton/cpu_gate.h`) against float64 attention through
-float64 gates, and against each kernel's ungated rows through `gated_store`, the PyTorch twin.
+"""Gated rows of the C++ sparse and window kernels (`csrc_triton/cpu_gate.h`) and of the Triton block-sparse and
+token-sparse kernels (`store_rows`) against float64 attention through float64 gates, and against each kernel's
+ungated rows through `gated_store`, the PyTorch twin.
 
 Elementwise gates and headwise ones (one per head, expanded over the head dim); a kernel storing its gated rows
 over poisoned outputs, or adding them to rows already there; the two branches of a HySparse sparse layer chained
@@ -16,6 +17,7 @@ from csrc_triton.paged_batch import gated_store, make_plan
 from csrc_triton.window import bind_window
 from tests.kernel_utils import dense_causal, nan_out
 from tests.kernels import oracle_cases as orc
+from tests.kernels.block_sparse_cases import CASES as BS_CASES
 from tests.kernels.block_sparse_cases import all_blocks
 from tests.kernels.test_oracle_tiled import CASES
 
@@ -113,3 +115,81 @@ def test_bad_gates_are_refused():
         win(q[:n], batch.block_table, plan, out, gate=gate[: n - 1])
     with pytest.raises(RuntimeError, match="gate: expected"):
         glob(q[:n], batch.block_table, plan, out, ids, gate=gate[:n].double())
+
+
+# ---------------------------------------------------------------- the Triton twins (`store_rows`)
+def every_position(batch, num_kv_heads):
+    """`[T, G, max seq len]` int32: every position up to each row's, ascending, -1 padded (token ids whose
+    attention is dense causal attention)."""
+    ids = torch.full((batch.num_tokens, num_kv_heads, max(batch.seq_lens)), -1, dtype=torch.int32)
+    for t, pos in enumerate(batch.positions()):
+        if pos >= 0:
+            ids[t, :, : pos + 1] = torch.arange(pos + 1, dtype=torch.int32)
+    return ids
+
+
+def triton_kernel(name, case, batch, q, sinks):
+    """`run(out, **kw)`: the Triton kernel `name` over every visible key of each row (all blocks, all positions)."""
+    from csrc_triton.block_sparse import block_sparse_attention
+    from csrc_triton.token_sparse import token_sparse_attention
+
+    args = (q, batch.k_cache, batch.v_cache, batch.block_table, batch.query_start_loc, batch.seq_lens_t)
+    scale = case.head_dim ** -0.5
+    if name == "block_sparse":
+        ids = all_blocks(batch, case.num_kv_heads, case.block_size)
+        return lambda out, **kw: block_sparse_attention(*args, ids, scale=scale, sparse_block_size=case.block_size,
+                                                        sinks=sinks, out=out, **kw)
+    ids = every_position(batch, case.num_kv_heads)
+    return lambda out, **kw: token_sparse_attention(*args, ids, scale=scale, sinks=sinks, out=out, **kw)
+
+
+TRITON_KERNELS = ["block_sparse", "token_sparse"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", TRITON_KERNELS)
+@pytest.mark.parametrize("case", [BS_CASES[0], BS_CASES[4]], ids=str)
+def test_triton_gated_rows(case, name, mode):
+    """The Triton kernels' gated rows, padding rows included: stored over poison, added to rows already there,
+    and the same as their plain rows through `gated_store`."""
+    seed = SEED + 300 + BS_CASES.index(case) * 4 + TRITON_KERNELS.index(name) * 2 + MODES.index(mode)
+    print(f"seed {seed}")
+    batch, q, sinks, gate = draw(case, seed, mode)
+    run = triton_kernel(name, case, batch, q, sinks)
+    ref = dense_causal(batch, q, case.head_dim ** -0.5, sinks)  # 0 past the last request's rows
+    s = torch.sigmoid(gate.double())
+    prior = torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed))
+    stored = nan_out(batch, q)
+    assert run(stored, gate=gate) is stored
+    check(stored, s * ref, f"{name}, stored")
+    added = prior.clone()
+    run(added, gate=gate, accumulate=True)
+    check(added, prior.double() + s * ref, f"{name}, added")
+    n = sum(batch.q_lens)
+    assert n < q.shape[0] and torch.equal(added[n:], prior[n:]), "padding rows: a gated term of 0 adds nothing"
+    twin = gated_store(prior.clone(), run(nan_out(batch, q)), gate, accumulate=True)
+    torch.testing.assert_close(added, twin, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", TRITON_KERNELS)
+def test_triton_gate_with_v_scale(name):
+    """`kv_scaled`'s v_scale multiplies the attention, not the rows a gated store adds to."""
+    case = BS_CASES[0]
+    batch, q, sinks, gate = draw(case, SEED + 400, "elementwise")
+    run = triton_kernel(name, case, batch, q, sinks)
+    ref = dense_causal(batch, q, case.head_dim ** -0.5, sinks)
+    prior = torch.randn(ref.shape, generator=torch.Generator().manual_seed(SEED + 400))
+    added = prior.clone()
+    run(added, gate=gate, accumulate=True, v_scale=2.5)
+    check(added, prior.double() + torch.sigmoid(gate.double()) * 2.5 * ref, f"{name}, v_scale 2.5, added")
+
+
+@pytest.mark.parametrize("name", TRITON_KERNELS)
+def test_triton_bad_gates_are_refused(name):
+    case = BS_CASES[0]
+    batch, q, sinks, gate = draw(case, SEED + 500, "elementwise")
+    run = triton_kernel(name, case, batch, q, sinks)
+    with pytest.raises(AssertionError, match="accumulate: only with a gate"):
+        run(nan_out(batch, q), accumulate=True)
+    with pytest.raises(AssertionError, match="gate: expected"):
+        run(nan_out(batch, q), gate=gate[:-1])

@@ -13,6 +13,7 @@ gives a block. The resource table is printed at the end of the run.
 """
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import pytest
@@ -113,8 +114,16 @@ def oracle(shape: Shape, batch: dict):
     return launches
 
 
-def block_sparse(shape: Shape, batch: dict):
-    """HySparse sparse layer: `block_sparse_attention` with sinks."""
+def gate_of(q, v_cache, gated: bool) -> dict:
+    """The keywords of a gated store: a HySparse sparse layer's branch as served, `[T, H, Dv]` gates in q's dtype
+    (a view of the op's buffer); none otherwise."""
+    if not gated:
+        return {}
+    return {"gate": torch.empty(*q.shape[:2], v_cache.shape[3], dtype=q.dtype, device="meta"), "accumulate": True}
+
+
+def block_sparse(shape: Shape, batch: dict, gated: bool = False):
+    """HySparse sparse layer: `block_sparse_attention` with sinks; `gated`: its rows added through the gate."""
     import csrc_triton.block_sparse.kernel as kernel
 
     args = paged_batch(shape, **batch)
@@ -122,7 +131,8 @@ def block_sparse(shape: Shape, batch: dict):
     ids = torch.empty(q.shape[0], k_cache.shape[1], shape.topk_blocks, dtype=torch.int32, device="meta")
     sinks = torch.empty(q.shape[1], dtype=torch.float32, device="meta")
     with record_launches(kernel) as launches:
-        kernel.block_sparse_attention(*args, ids, scale=0.1, sparse_block_size=shape.block_size, sinks=sinks)
+        kernel.block_sparse_attention(*args, ids, scale=0.1, sparse_block_size=shape.block_size, sinks=sinks,
+                                      **gate_of(q, args[2], gated))
     return launches
 
 
@@ -136,17 +146,18 @@ def token_oracle(shape: Shape, batch: dict):
     return launches
 
 
-def token_sparse(shape: Shape, batch: dict):
-    """HySparse2 cross sparse layer: `token_sparse_attention` over top-k + window positions, with sinks."""
+def token_sparse(shape: Shape, batch: dict, gated: bool = False):
+    """HySparse2 cross sparse layer: `token_sparse_attention` over top-k + window positions, with sinks;
+    `gated`: HySparse's window branch (the `window` role) storing its rows through the gate."""
     import csrc_triton.token_sparse.kernel as kernel
 
     args = paged_batch(shape, **batch)
     q, k_cache = args[0], args[1]
-    ids = torch.empty(q.shape[0], k_cache.shape[1], shape.topk_tokens + shape.window, dtype=torch.int32,
+    ids = torch.empty(q.shape[0], k_cache.shape[1], max(1, shape.topk_tokens + shape.window), dtype=torch.int32,
                       device="meta")
     sinks = torch.empty(q.shape[1], dtype=torch.float32, device="meta")
     with record_launches(kernel) as launches:
-        kernel.token_sparse_attention(*args, ids, scale=0.1, sinks=sinks)
+        kernel.token_sparse_attention(*args, ids, scale=0.1, sinks=sinks, **gate_of(q, args[2], gated))
     return launches
 
 
@@ -163,6 +174,9 @@ KINDS = {
     "token_oracle-decode": (token_oracle, DECODE, "hysparse2", ("bf16", "fp16")),
     "token_oracle-decode_batch": (token_oracle, DECODE_BATCH, "hysparse2", ("bf16",)),
     "token_sparse": (token_sparse, PREFILL, "hysparse2", ("bf16", "fp16")),
+    # a HySparse sparse layer's two branches as served on a GPU: the gates in the kernels' stores
+    "block_sparse-gated": (functools.partial(block_sparse, gated=True), PREFILL, "hysparse", ("bf16",)),
+    "window-gated": (functools.partial(token_sparse, gated=True), PREFILL, "hysparse", ("bf16",)),
 }
 # fp16 cases are in the benchmark tier (`-m bench`, `bash scripts/test.sh --bench`): they have built as bf16 in
 # every run, and leaving them out takes 72 of 240 builds off CI's CPU.

@@ -256,6 +256,9 @@ class Role:
     cpu_bind: str | None = None
     # Its keywords where they differ from `kwargs` (those of the `torch` kernel).
     bind_kwargs: Callable[["HySparseAttentionImpl"], dict] | None = None
+    # The paths whose kernel stores its rows through a gate (`gate=`, `accumulate=`: a sparse layer's branches
+    # mixed in the kernels' stores); on the others `paged_batch.gated_store` gates the kernel's rows after it.
+    gated_paths: tuple[str, ...] = ()
 
 
 ROLE_TABLE: dict[str, Role | None] = {
@@ -275,12 +278,12 @@ ROLE_TABLE: dict[str, Role | None] = {
         kernels={"triton": "csrc_triton.block_sparse.kernel:block_sparse_attention",
                  "torch": "csrc_triton.block_sparse.batched:block_sparse_attention_batched"},
         kwargs=lambda impl: dict(sparse_block_size=impl.selection.block_size, sinks=impl.sinks),
-        reads_index=True, cpu_bind="csrc_triton.block_sparse.batched:bind_block_sparse"),
+        reads_index=True, cpu_bind="csrc_triton.block_sparse.batched:bind_block_sparse", gated_paths=("triton",)),
     "token_sparse": Role(
         kernels={"triton": "csrc_triton.token_sparse.kernel:token_sparse_attention",
                  "torch": "csrc_triton.token_sparse.batched:token_sparse_attention_batched"},
         kwargs=lambda impl: dict(sinks=impl.sinks),
-        reads_index=True, cpu_bind="csrc_triton.token_sparse.batched:bind_token_sparse"),
+        reads_index=True, cpu_bind="csrc_triton.token_sparse.batched:bind_token_sparse", gated_paths=("triton",)),
     # Plain causal attention (no sink, no selection): on the CPU the tiled oracle kernel (a shared prompt walked
     # once for all its decode rows), in Triton the token oracle's kernel. Used where `serves_plain_attention` says.
     "dense": Role(
@@ -296,7 +299,7 @@ ROLE_TABLE: dict[str, Role | None] = {
                  "torch": "csrc_triton.token_sparse.batched:token_sparse_attention_batched"},
         kwargs=lambda impl: dict(sinks=impl.sinks),
         reads_window=True, cpu_bind="csrc_triton.window:bind_window",
-        bind_kwargs=lambda impl: dict(sinks=impl.sinks, window=impl.selection.window)),
+        bind_kwargs=lambda impl: dict(sinks=impl.sinks, window=impl.selection.window), gated_paths=("triton",)),
     "kv_owner": None,  # a HySparse2 bridged cache: written by the bridge op, never attended
 }
 ROLES = tuple(ROLE_TABLE)
@@ -501,9 +504,12 @@ class HySparseAttentionImpl(AttentionImpl):
                 kwargs["indices"] = self.index_buffer[:n]  # the kernel writes the followers' ids in place
         elif role.bounded_by_seq_len:
             kwargs["max_seq_len"] = meta.max_seq_len
-        result = kernel(*args, scale=self.scale, out=output[:n] if gate is None else torch.empty_like(output[:n]),
+        gated_after = gate is not None and path not in role.gated_paths
+        if gate is not None and not gated_after:
+            kwargs.update(gate=gate[:n], accumulate=accumulate)
+        result = kernel(*args, scale=self.scale, out=torch.empty_like(output[:n]) if gated_after else output[:n],
                         **kwargs)
-        if gate is not None:
+        if gated_after:
             gated_store(output[:n], result, gate[:n], accumulate)
         if role.publishes:
             ids = result[1]
