@@ -3,6 +3,7 @@
 
     python benchmarks/layer_breakdown.py                          # 512 and 8192 tokens, 8 decode requests
     python benchmarks/layer_breakdown.py --contexts 512 --models dense hysparse
+    python benchmarks/layer_breakdown.py --contexts 8192 --prefix-fraction 0.95   # serve_bench's shared-prefix runs
 
 Drives the real vLLM engine in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, float32, prefix caching
 on, chunked prefill of `--chunk` tokens), so every step goes through vLLM's scheduler, input preparation,
@@ -17,7 +18,8 @@ when serving (on a 2-core machine they move a served TPOT by tens of ms between 
 
 Per model and context it measures two steps: the last prefill chunk of one request (its rows attend the
 whole context) and one decode step of `--num-reqs` requests on one shared prompt (prefilled once, then
-shared through the prefix cache, as `serve_bench.py`'s shared-prefix workload). Each is timed without
+shared through the prefix cache, as `serve_bench.py`'s shared-prefix workload; with `--prefix-fraction F` the
+requests share its first F and add a random tail of their own, as `serve_bench.py --prefix-fraction F`). Each is timed without
 the profiler (median of `--reps` steps) and profiled once; the profile gives each range's inclusive
 time and attributes every op's self time to its innermost range. Writes
 `benchmarks/results/layer_breakdown_<date>_<HHMM>.{json,md}`.
