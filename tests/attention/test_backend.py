@@ -172,3 +172,20 @@ def test_layout_cpu_prefers_head_major_pages():
     assert get_supported_kv_cache_layouts([HySparseAttentionBackend])[0] == KVCacheLayout.LBHNC
     assert get_supported_kv_cache_layouts([HySparseAttentionBackend, CPUAttentionBackend]) == [KVCacheLayout.LBHNC]
     assert set(HySparseAttentionBackend.supported_kv_cache_layouts()) == set(KVCacheLayout)
+
+
+def test_gated_paths_name_kernels_that_take_a_gate():
+    """`Role.gated_paths` hands a sparse layer's gates to those kernels (`gate=`, `accumulate=`); every other
+    kernel of a gated role gets them applied after it. A path listed for a kernel that takes no gate would fail at
+    the first gated call on a GPU, which no CPU engine test reaches."""
+    import inspect
+
+    from vllm_hysparse.attention.backend import ROLE_TABLE, load_kernel
+
+    gated = {name: role.gated_paths for name, role in ROLE_TABLE.items() if role is not None and role.gated_paths}
+    assert set(gated) == {"block_sparse", "token_sparse", "window"}, gated  # a sparse layer's branches
+    for name, role in ROLE_TABLE.items():
+        for path, spec in (role.kernels.items() if role is not None else ()):
+            params = inspect.signature(load_kernel(spec)).parameters
+            takes = {"gate", "accumulate"} <= set(params)
+            assert takes == (path in role.gated_paths), f"{name}/{path}: {spec} takes a gate: {takes}"

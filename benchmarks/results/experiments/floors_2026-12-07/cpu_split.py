@@ -5,7 +5,11 @@ server process (API server, engine core, worker) and the benchmark client. Run f
 
 EXTRA_SERVE adds `vllm serve` flags; the environment is passed on (e.g. VLLM_ENABLE_V1_MULTIPROCESSING=0).
 """
-import json, subprocess, sys, time, os
+import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 import psutil
 ROOT = Path(__file__).resolve().parents[4]
