@@ -19,8 +19,8 @@ when serving (on a 2-core machine they move a served TPOT by tens of ms between 
 Per model and context it measures two steps: the last prefill chunk of one request (its rows attend the
 whole context) and one decode step of `--num-reqs` requests on one shared prompt (prefilled once, then
 shared through the prefix cache, as `serve_bench.py`'s shared-prefix workload; with `--prefix-fraction F` the
-requests share its first F and add a random tail of their own, as `serve_bench.py --prefix-fraction F`). Each is timed without
-the profiler (median of `--reps` steps) and profiled once; the profile gives each range's inclusive
+requests share its first F and add a random tail of their own, as `serve_bench.py --prefix-fraction F`).
+Each is timed without the profiler (median of `--reps` steps) and profiled once; the profile gives each range's inclusive
 time and attributes every op's self time to its innermost range. Writes
 `benchmarks/results/layer_breakdown_<date>_<HHMM>.{json,md}`.
 """
