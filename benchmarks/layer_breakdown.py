@@ -20,8 +20,8 @@ Per model and context it measures two steps: the last prefill chunk of one reque
 whole context) and one decode step of `--num-reqs` requests on one shared prompt (prefilled once, then
 shared through the prefix cache, as `serve_bench.py`'s shared-prefix workload; with `--prefix-fraction F` the
 requests share its first F and add a random tail of their own, as `serve_bench.py --prefix-fraction F`).
-Each is timed without the profiler (median of `--reps` steps) and profiled once; the profile gives each range's inclusive
-time and attributes every op's self time to its innermost range. Writes
+Each is timed without the profiler (median of `--reps` steps) and profiled once; the profile gives each range's
+inclusive time and attributes every op's self time to its innermost range. Writes
 `benchmarks/results/layer_breakdown_<date>_<HHMM>.{json,md}`.
 """
 
@@ -214,7 +214,8 @@ def run_model(name: str, ckpt: Path, ctx: int, args, compiled: bool = False) -> 
         # `--prefix-fraction` share its first part and add their own tail, as `serve_bench.py --prefix-fraction`
         shared = ctx - 1 if args.prefix_fraction is None else int(ctx * args.prefix_fraction)
         for i in range(1, args.num_reqs):
-            tail = torch.randint(10, 1000, (ctx - shared,), generator=gen).tolist()
+            tail = ([1000 + i] if args.prefix_fraction is None
+                    else torch.randint(10, 1000, (ctx - shared,), generator=gen).tolist())
             engine.add_request(f"r{i}", TokensPrompt(prompt_token_ids=prompt[:shared] + tail), params)
         started = {"r0"}
         while len(started) < args.num_reqs:  # their prefills, until every request decodes

@@ -83,8 +83,8 @@ def kv_scaled(entry):
             from csrc_triton.paged_batch import gated_store  # it imports this module
 
             gate, accumulate, out = kwargs.pop("gate"), kwargs.pop("accumulate", False), kwargs.pop("out", None)
-            rows = entry(*args, scale=scale * k_scale, **kwargs).mul_(v_scale)
             assert out is not None or not accumulate, "accumulate: needs an out to add to"
+            rows = entry(*args, scale=scale * k_scale, **kwargs).mul_(v_scale)
             return gated_store(torch.empty_like(rows) if out is None else out, rows, gate, accumulate)
         result = entry(*args, scale=scale * k_scale, **kwargs)
         if v_scale != 1.0:

@@ -118,16 +118,6 @@ def test_bad_gates_are_refused():
 
 
 # ---------------------------------------------------------------- the Triton twins (`store_rows`)
-def every_position(batch, num_kv_heads):
-    """`[T, G, max seq len]` int32: every position up to each row's, ascending, -1 padded (token ids whose
-    attention is dense causal attention)."""
-    ids = torch.full((batch.num_tokens, num_kv_heads, max(batch.seq_lens)), -1, dtype=torch.int32)
-    for t, pos in enumerate(batch.positions()):
-        if pos >= 0:
-            ids[t, :, : pos + 1] = torch.arange(pos + 1, dtype=torch.int32)
-    return ids
-
-
 def triton_kernel(name, case, batch, q, sinks):
     """`run(out, **kw)`: the Triton kernel `name` over every visible key of each row (all blocks, all positions)."""
     from csrc_triton.block_sparse import block_sparse_attention
@@ -139,7 +129,7 @@ def triton_kernel(name, case, batch, q, sinks):
         ids = all_blocks(batch, case.num_kv_heads, case.block_size)
         return lambda out, **kw: block_sparse_attention(*args, ids, scale=scale, sparse_block_size=case.block_size,
                                                         sinks=sinks, out=out, **kw)
-    ids = every_position(batch, case.num_kv_heads)
+    ids = all_blocks(batch, case.num_kv_heads, 1)  # blocks of one position: every position up to each row's
     return lambda out, **kw: token_sparse_attention(*args, ids, scale=scale, sinks=sinks, out=out, **kw)
 
 

@@ -114,12 +114,13 @@ def oracle(shape: Shape, batch: dict):
     return launches
 
 
-def gate_of(q, v_cache, gated: bool) -> dict:
+def gate_of(q, v_cache, gated: bool, accumulate: bool) -> dict:
     """The keywords of a gated store: a HySparse sparse layer's branch as served, `[T, H, Dv]` gates in q's dtype
     (a view of the op's buffer); none otherwise."""
     if not gated:
         return {}
-    return {"gate": torch.empty(*q.shape[:2], v_cache.shape[3], dtype=q.dtype, device="meta"), "accumulate": True}
+    gate = torch.empty(*q.shape[:2], v_cache.shape[3], dtype=q.dtype, device="meta")
+    return {"gate": gate, "accumulate": accumulate}
 
 
 def block_sparse(shape: Shape, batch: dict, gated: bool = False):
@@ -132,7 +133,7 @@ def block_sparse(shape: Shape, batch: dict, gated: bool = False):
     sinks = torch.empty(q.shape[1], dtype=torch.float32, device="meta")
     with record_launches(kernel) as launches:
         kernel.block_sparse_attention(*args, ids, scale=0.1, sparse_block_size=shape.block_size, sinks=sinks,
-                                      **gate_of(q, args[2], gated))
+                                      **gate_of(q, args[2], gated, accumulate=True))
     return launches
 
 
@@ -148,7 +149,8 @@ def token_oracle(shape: Shape, batch: dict):
 
 def token_sparse(shape: Shape, batch: dict, gated: bool = False):
     """HySparse2 cross sparse layer: `token_sparse_attention` over top-k + window positions, with sinks;
-    `gated`: HySparse's window branch (the `window` role) storing its rows through the gate."""
+    `gated`: HySparse's window branch (the `window` role) storing its rows through the gate (the global branch
+    adds its own after it)."""
     import csrc_triton.token_sparse.kernel as kernel
 
     args = paged_batch(shape, **batch)
@@ -157,7 +159,8 @@ def token_sparse(shape: Shape, batch: dict, gated: bool = False):
                       device="meta")
     sinks = torch.empty(q.shape[1], dtype=torch.float32, device="meta")
     with record_launches(kernel) as launches:
-        kernel.token_sparse_attention(*args, ids, scale=0.1, sinks=sinks, **gate_of(q, args[2], gated))
+        kernel.token_sparse_attention(*args, ids, scale=0.1, sinks=sinks,
+                                      **gate_of(q, args[2], gated, accumulate=False))
     return launches
 
 
