@@ -64,10 +64,11 @@ SERVERS = {
     "hysparse2-noexit": {"checkpoint": "hysparse2-small", "env": {EARLY_EXIT_ENV: "0"},
                          "label": "HySparse2 exit off"},
 }
-NOTE_IMPL = ("CPU timings compare implementations as well as architectures: HySparse and HySparse2 attention "
-             "runs the batched PyTorch path (sparse layers read only their selected keys; the oracles' decode rows "
-             "run a C++ kernel over the pages) while dense Llama, HySparse's SWA branch and HySparse2's "
-             "self-decoder use vLLM's C++ CPU attention.")
+NOTE_IMPL = ("CPU timings compare implementations as well as architectures: HySparse's and HySparse2's "
+             "attention (oracle and token-oracle layers, sparse layers, HySparse's SWA branch, HySparse2's "
+             "self-decoder) runs our C++ kernels over the pages (`csrc_triton/`: the tiled oracle walk, also as "
+             "the self-decoder's full attention, the window walk and the sparse kernel), while dense Llama uses "
+             "vLLM's C++ CPU attention.")
 NOTE_VLLM_KV = ("vLLM's 'KV cache size' counts every cache group of a hybrid model as full-length, so for "
                 "HySparse / HySparse2 it understates the tokens that fit; 'ours' is our log line (full-length "
                 "caches only; window caches are bounded per sequence). vLLM's count also grows with --max-model-len "
@@ -665,10 +666,10 @@ def markdown_report(result: dict) -> str:
               "keys; with early exit the cross-decoder runs on the last prompt token only (bridges still project "
               "K/V for every token); lm_head on one row for every configuration. Top-k, softmax, norms, masks "
               "are not counted. Formula and code: `vllm_hysparse/tools/prefill_flops.py`, `benchmarks/README.md`.",
-              "- CPU-path FLOPs: our PyTorch attention computes masked dense attention over every key up to the "
-              "end of its 256-row query chunk (so sparse layers cost as much as full ones) and computes scores "
-              "twice in HySparse full layers and HySparse2 cross full layers (oracle / token selection); the "
-              "top-k selection over those scores costs time that no FLOPs count shows.",
+              "- CPU-path FLOPs: what our C++ CPU kernels execute, the model's count plus the token oracle's "
+              "second scoring of every visible key of a HySparse2 cross full layer's prefill rows (early exit "
+              "off; `prefill_flops.py`); keys a kernel masks inside a key tile are not counted, nor the top-k "
+              "selections, whose time no FLOPs count shows.",
               "- The expected ratio is `dense bytes / full-length-cache bytes` less the sliding-window share: each "
               "window cache holds at most `swa_window` tokens per sequence, which per token is "
               "`swa_window / context` of a full-length cache.",

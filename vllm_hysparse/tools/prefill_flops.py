@@ -21,17 +21,19 @@ Counting rules (see benchmarks/README.md, "Prefill FLOPs"):
   cross sparse layers see min(t+1, k_g + w) keys. With prefill early exit the self-decoder runs on all n
   tokens, the bridges project K/V for all n tokens and the cross-decoder runs on one row (the last
   token, t = n−1); without it the cross-decoder runs on all n rows;
-- `path="cpu"` estimates what our CPU implementation executes instead: the PyTorch attention path
-  (HySparse full and sparse layers, HySparse2 cross layers) computes masked *dense* attention over every
-  key up to the end of its 256-row query chunk, and the oracle / token-selection step computes the
-  scores a second time; vLLM's C++ attention (dense Llama, HySparse SWA branch, HySparse2 self-decoder)
-  is counted as in the model.
+- `path="cpu"` counts what our default CPU path executes (the C++ kernels of `csrc_triton/`): the same as
+  the model, except that the token oracle of HySparse2's cross full layers scores every visible key of a
+  prefill row a second time, once the row's softmax statistics are final (the reduced probabilities R,
+  `reduce_pass` in `csrc_triton/oracle/cpu_tiled.cpp`); its decode rows, and the one row of each prompt
+  that early exit leaves, take the scores from their single pass. HySparse's oracle keeps its block
+  scores inside its single pass and its sparse layers read only their selected keys, as the model
+  counts. Work the kernels discard (keys past a row's position inside a key tile) is not counted, nor
+  the PyTorch fallback's (`VLLM_HYSPARSE_CPU_EXT=0`).
 """
 
 import argparse
 from dataclasses import dataclass
 
-QUERY_CHUNK = 256  # rows per chunk of our PyTorch attention path (vllm_hysparse/attention/paged.py)
 F, S, W = "full_attention", "sparse_attention", "sliding_attention"
 
 
@@ -95,11 +97,6 @@ def causal_keys(n: int) -> int:
     return n * (n + 1) // 2
 
 
-def chunked_keys(n: int, chunk: int = QUERY_CHUNK) -> int:
-    """Keys our PyTorch path computes for n prompt rows: each 256-row chunk scores every key up to its end."""
-    return sum((min(s + chunk, n) - s) * min(s + chunk, n) for s in range(0, n, chunk))
-
-
 # ---------------------------------------------------------------- FLOPs
 
 def _qkv_o(lay: Layout) -> int:
@@ -116,9 +113,9 @@ def _q_o(lay: Layout) -> int:
 def prefill_flops(lay: Layout, n: int, *, early_exit: bool = True, path: str = "model") -> dict[str, float]:
     """FLOPs to prefill one prompt of `n` tokens, by part (projections, mlp, attention, lm_head, total).
 
-    `early_exit` only matters for HySparse2. `path="model"` counts the architecture (module docstring);
-    `path="cpu"` estimates what our CPU implementation executes (dense masked attention in the PyTorch
-    path, scores computed twice for oracle / token selection).
+    `early_exit` only matters for HySparse2. `path="model"` counts the architecture, `path="cpu"` what our
+    default CPU path executes (module docstring: the model's count plus the token oracle's second scoring of
+    prefill rows).
     """
     if path not in ("model", "cpu"):
         raise ValueError(f"path: must be 'model' or 'cpu' (got {path!r})")
@@ -130,25 +127,19 @@ def prefill_flops(lay: Layout, n: int, *, early_exit: bool = True, path: str = "
     gate_tok = 2 * d * lay.gate_width
     proj = mlp = attn = 0.0
 
-    def torch_path(rows_keys: int) -> float:  # our PyTorch path: masked dense attention (cpu) or the model count
-        return rows_keys * per_key
-
     if lay.kind in ("dense", "hysparse"):
         for kind in lay.layer_types:
             mlp += n * mlp_tok
             proj += n * _qkv_o(lay)
-            if lay.kind == "dense" or kind == F:
-                if lay.kind == "hysparse" and cpu:  # oracle: dense attention + scores again for the block top-k
-                    attn += chunked_keys(n) * (per_key + score_only)
-                else:
-                    attn += causal_keys(n) * per_key
+            if lay.kind == "dense" or kind == F:  # HySparse's oracle: its block scores come from this pass
+                attn += causal_keys(n) * per_key
                 continue
             proj += n * 2 * gate_tok  # sparse-branch and SWA-branch gates
-            window = capped_keys(n, lay.swa_window) * per_key  # SWA branch (vLLM's C++ attention on CPU)
-            glob = (chunked_keys(n) if cpu else capped_keys(n, lay.topk_blocks * lay.block_size)) * per_key
+            window = capped_keys(n, lay.swa_window) * per_key  # SWA branch
+            glob = capped_keys(n, lay.topk_blocks * lay.block_size) * per_key
             attn += window + glob
     elif lay.kind == "hysparse2":
-        for i in range(lay.num_self):  # self-decoder: every prompt token (vLLM's C++ attention on CPU)
+        for i in range(lay.num_self):  # self-decoder: every prompt token
             kind = lay.layer_types[i]
             mlp += n * mlp_tok
             proj += n * _qkv_o(lay) + (n * gate_tok if kind == W else 0)
@@ -161,15 +152,12 @@ def prefill_flops(lay: Layout, n: int, *, early_exit: bool = True, path: str = "
             kind = lay.layer_types[i]
             mlp += rows * mlp_tok
             proj += rows * _q_o(lay) + (rows * gate_tok if kind == S else 0)
-            if early_exit:  # the last prompt token, t = n - 1: a rectangle of n keys on our path too
-                keys_full, keys_sparse = n, (n if cpu else min(n, budget))
+            if early_exit:  # the last prompt token, t = n - 1, one row (its scores from its single pass)
+                keys_full, keys_sparse, rescored = n, min(n, budget), 0
             else:
-                keys_full = chunked_keys(n) if cpu else causal_keys(n)
-                keys_sparse = chunked_keys(n) if cpu else capped_keys(n, budget)
-            if kind == F:
-                attn += keys_full * (per_key + (score_only if cpu else 0))  # cpu: token top-k scores again
-            else:
-                attn += torch_path(keys_sparse)
+                keys_full, keys_sparse = causal_keys(n), capped_keys(n, budget)
+                rescored = keys_full if cpu else 0  # the token oracle's second pass over each prefill row's keys
+            attn += (keys_full * per_key + rescored * score_only) if kind == F else keys_sparse * per_key
     else:
         raise ValueError(f"kind: must be 'dense', 'hysparse' or 'hysparse2' (got {lay.kind!r})")
     head = 2.0 * d * lay.vocab  # one row of logits
