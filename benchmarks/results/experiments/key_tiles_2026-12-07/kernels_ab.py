@@ -5,10 +5,15 @@ blocks and the window walk, all with sinks where they take them.
     python kernels_ab.py OLD_TREE NEW_TREE CONTEXT ROWS [REPS]
 
 Each tree is a copy of `csrc_triton/` (at least cpu_sparse.cpp, cpu_tile.h, cpu_online_softmax.h and
-oracle/cpu_tiled.cpp), e.g. `git archive <rev> csrc_triton | tar -x -C /tmp/old`. ROWS = 1: one decode row for each
-of 8 requests; otherwise one prefill chunk of ROWS rows of one request. SHARED=1: the requests share their pages.
-Prints the median time of each side and the median of the per-pair ratios new/old. OLD_FLAGS / NEW_FLAGS: extra
-compiler flags of each side (e.g. NEW_FLAGS=-mno-avx512f builds the AVX2 paths on an AVX-512 CPU).
+oracle/cpu_tiled.cpp), e.g. `/tmp/old/csrc_triton` after `git archive <rev> csrc_triton | tar -x -C /tmp/old`. ROWS
+= 1: one decode row for each of 8 requests; otherwise one prefill chunk of ROWS rows of one request. SHARED=1: the
+requests share their pages. Prints the median time of each side and the median of the per-pair ratios new/old.
+OLD_FLAGS / NEW_FLAGS: extra compiler flags of each side (e.g. NEW_FLAGS=-mno-avx512f builds the AVX2 paths on an
+AVX-512 CPU). COLD=1: 64 MiB written before each call (untimed), as `attention_micro.median_ms(cold=True)` does, so
+that each call reads its pages from memory as an engine step does (twelve layers' caches evict each other).
+KINDS=oracle,sparse: only those.
+
+COLD and KINDS were added on 2026-12-07 evening (`../shared_decode_2026-12-07.md`); without them it runs as before.
 """
 import os
 import statistics
@@ -21,6 +26,8 @@ import torch
 from torch.utils.cpp_extension import load
 
 ROOT = Path(__file__).resolve().parents[4]
+COLD = os.environ.get("COLD") == "1"
+KINDS = os.environ.get("KINDS", "oracle,sparse,window").split(",")
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 import attention_micro as am  # noqa: E402
 
@@ -76,17 +83,20 @@ def main():
         calls[side] = {"oracle": oracle,
                        "sparse": lambda sparse=sparse, ids=ids, out=out: sparse(q, table, plan, out["sparse"], ids),
                        "window": lambda window=window, out=out: window(q, table, plan, out["window"])}
-    for kind in ("oracle", "sparse", "window"):
+    evict = torch.empty(16 << 20)  # 64 MiB
+    for kind in KINDS:
         times = {side: [] for side in calls}
         for i in range(reps):
             for side in (("old", "new") if i % 2 else ("new", "old")):
+                if COLD:
+                    evict.fill_(float(i))
                 t0 = time.perf_counter()
                 calls[side][kind]()
                 times[side].append(1e3 * (time.perf_counter() - t0))
         ratio = statistics.median(b / a for a, b in zip(times["old"], times["new"]))
         print(f"ctx {ctx} rows {rows} {kind:7s} old {statistics.median(times['old']):8.2f} ms  "
               f"new {statistics.median(times['new']):8.2f} ms  new/old {ratio:.3f}")
-    for k in ("sparse", "window"):
+    for k in (k for k in ("sparse", "window") if k in KINDS):
         print(f"{k}: max |new - old| {(outs['new'][k] - outs['old'][k]).abs().max().item():.2e}")
 
 
