@@ -353,6 +353,35 @@ void score_tiled(const float* qs, int64_t nq, const float* kt, float* s) {
 #endif
 }
 
+// `score_tiled` on NC of the tile's columns (a multiple of 16): kt and s point at the first, rows still KT apart.
+template <int DIM, int64_t KT, int NC>
+void score_tiled_cols(const float* qs, int64_t nq, const float* kt, float* s) {
+  static_assert(NC % 16 == 0 && NC <= KT, "whole 16-key vectors of the tile");
+  int64_t i = 0;
+#ifdef __AVX512F__
+  for (; i + 4 <= nq; i += 4) score_n<DIM, 4, v16, KT, NC / 16>(qs + i * DIM, kt, s + i * KT);
+  for (; i < nq; ++i) score_n<DIM, 1, v16, KT, NC / 16>(qs + i * DIM, kt, s + i * KT);
+#else
+  for (; i + 6 <= nq; i += 6)
+    for (int64_t c = 0; c < NC; c += 16) score_n<DIM, 6, v8, KT, 2>(qs + i * DIM, kt + c, s + i * KT + c);
+  for (; i < nq; ++i)
+    for (int64_t c = 0; c < NC; c += 16) score_n<DIM, 1, v8, KT, 2>(qs + i * DIM, kt + c, s + i * KT + c);
+#endif
+}
+
+// The scores of the tile's keys [j0, j1) only (multiples of 16; the rest of s untouched): the keys a chunk of
+// sliding-window rows can attend are a band of the tile.
+template <int DIM, int64_t KT>
+void score_tiled_range(const float* qs, int64_t nq, const float* kt, float* s, int64_t j0, int64_t j1) {
+  static_assert(KT == 64, "a 64-key tile: 1-4 vectors of 16 keys");
+  switch ((j1 - j0) / 16) {
+    case 1: return score_tiled_cols<DIM, KT, 16>(qs, nq, kt + j0, s + j0);
+    case 2: return score_tiled_cols<DIM, KT, 32>(qs, nq, kt + j0, s + j0);
+    case 3: return score_tiled_cols<DIM, KT, 48>(qs, nq, kt + j0, s + j0);
+    default: return score_tiled<DIM, KT>(qs, nq, kt, s);
+  }
+}
+
 // acc[q] [DIM] += sum_j p[q][j] * V_j for NQ query vectors at once over the same `count` keys: each V vector is
 // loaded once for all of them (one query at a time loads a V vector per FMA, which bounds a prefill tile).
 // V: v8, or v16 (DIM a multiple of 16) where the CPU has AVX-512; 4 vectors of dims at a time.

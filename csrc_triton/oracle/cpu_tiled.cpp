@@ -67,7 +67,8 @@ constexpr int64_t QCHUNK = 16;
 // than this many keys (a part's state is merged once per row, query vector and part), at most MAX_PREFIX_PARTS.
 constexpr int64_t PREFIX_PART_MIN_KEYS = 2048, MAX_PREFIX_PARTS = 16;
 // Rows per task of a sliding window: a tile of r consecutive rows walks window + r - 1 keys, of which each row
-// attends `window`, so taller tiles waste more scores than they save in transposes.
+// attends `window`; each chunk of its query vectors scores only its rows' band of a key tile, and 16 or 64 rows did
+// no better than 32 (benchmarks/results/experiments/shared_decode_2026-12-07.md).
 constexpr int64_t WINDOW_TILE_ROWS = 32;
 
 inline int64_t tile_rows(int64_t rows, int64_t groups, bool logits) {
@@ -301,7 +302,18 @@ void run_task(const Problem& pb, const Task& tk, Partials& parts, std::vector<fl
     if (!direct) transpose_keys<DIM, OKEYS>(kp, count, kt);
     for (int64_t c0 = 0; c0 < nq; c0 += QCHUNK) {
       const int64_t c1 = std::min(nq, c0 + QCHUNK);
-      if (!score_chunk<DIM>(qs, lim, c0, c1, k0, direct, kp, count, kt, s)) continue;
+      // The chunk's band of the tile: from its rows' first window key (0 without a window) to their last
+      // position, in whole 16-key vectors; scored, weighed and summed only there (a 32-row window tile walks
+      // 159 keys for rows that attend 128, its chunks' bands about 144).
+      const int64_t last = static_cast<int64_t>(*std::max_element(lim + c0, lim + c1)) - k0;
+      const int64_t first = static_cast<int64_t>(*std::min_element(low + c0, low + c1)) - k0;
+      if (last < 0 || first >= count) continue;  // every key of the tile is past or before every row
+      const int64_t j0 = std::max<int64_t>(first, 0) / 16 * 16, j1 = std::min(count, last + 1);
+      if (direct) {
+        score_direct<DIM, OKEYS>(qs + c0 * DIM, c1 - c0, kp + j0, j1 - j0, s + j0);
+      } else {
+        score_tiled_range<DIM, OKEYS>(qs + c0 * DIM, c1 - c0, kt, s, j0, std::min<int64_t>(OKEYS, (j1 + 15) / 16 * 16));
+      }
       int64_t na = 0;
       for (int64_t i = c0; i < c1; ++i) {
         const int64_t visible = std::min<int64_t>(count, static_cast<int64_t>(lim[i]) - k0 + 1);
@@ -335,9 +347,9 @@ void run_task(const Problem& pb, const Task& tk, Partials& parts, std::vector<fl
         // the whole tile at once; exactly 0 past the row's position
         online_rescale<DIM>(mt, exp_tile<OKEYS>(si, mt), m[i], l[i], acc + i * DIM);
         acc_of[na] = acc + i * DIM;
-        w_of[na++] = si;
+        w_of[na++] = si + j0;
       }
-      accumulate_many<DIM>(acc_of, w_of, na, vp, count);  // weights are 0 past each row's position
+      accumulate_many<DIM>(acc_of, w_of, na, vp + j0, j1 - j0);  // weights are 0 outside each row's keys
     }
   }
   if (pb.reduced != nullptr) reduce_pass<DIM>(pb, tk, nq, qs, kt, s, m, l, lim);
