@@ -243,16 +243,21 @@ def hysparse_layers(num_reqs, ctx, reps, q_len=1):
             f"{label}: dense layer (K/V write + vLLM CPU attention, G=4)": timed(dense_layer)}
 
 
-def without(module, finder: str, fn):
-    """`fn` run with `module.<finder>` (a kernel finder) answering None: the role's previous CPU path."""
+def patched(module, name: str, value, fn):
+    """`fn` run with `module.<name>` set to `value`, restored after."""
     def run():
-        saved = getattr(module, finder)
-        setattr(module, finder, lambda *a: None)
+        saved = getattr(module, name)
+        setattr(module, name, value)
         try:
             return fn()
         finally:
-            setattr(module, finder, saved)
+            setattr(module, name, saved)
     return run
+
+
+def without(module, finder: str, fn):
+    """`fn` run with `module.<finder>` (a kernel finder) answering None: the role's previous CPU path."""
+    return patched(module, finder, lambda *a: None, fn)
 
 
 def previous_oracle(fn):
@@ -268,16 +273,17 @@ def previous_token_oracle(fn):
     return without(token_oracle_batched, "cpu_kernels", fn)
 
 
+def two_pass_prefill(fn):
+    """`fn` with the token oracle's prefill rows through the tiled kernel's second pass (R) at every length (as
+    served past `ONE_PASS_MAX_KEYS` keys)."""
+    return patched(token_oracle_batched, "ONE_PASS_MAX_KEYS", 0, fn)
+
+
 def one_pass_prefill(fn):
     """`fn` with the token oracle's prefill rows through the tiled kernel's logits (one pass, every head's logits
-    written and read back by the selection): the prefill path until 2026-12-06."""
-    def run():
-        token_oracle_batched.PREFILL_TWO_PASS = False
-        try:
-            return fn()
-        finally:
-            token_oracle_batched.PREFILL_TWO_PASS = True
-    return run
+    written and read back by the selection): the prefill path until 2026-12-06, and since 2026-12-07 that of runs
+    of at most `ONE_PASS_MAX_KEYS` keys."""
+    return patched(token_oracle_batched, "PREFILL_TWO_PASS", False, fn)
 
 
 def hysparse_prefill(ctx, rows, reps):
@@ -326,7 +332,7 @@ def hysparse2_prefill(ctx, rows, reps):
 
     tiled = cpu_ext.load("oracle_tiled")
     return {
-        f"prefill {rows} rows: token_oracle (C++, two passes)": median_ms(token_oracle, reps),
+        f"prefill {rows} rows: token_oracle (C++, two passes)": median_ms(two_pass_prefill(token_oracle), reps),
         f"prefill {rows} rows: token_oracle (C++, one pass with logits)": median_ms(one_pass_prefill(token_oracle),
                                                                                     reps),
         f"prefill {rows} rows: token_oracle attention alone (tiled kernel, no logits)": median_ms(attention_alone,

@@ -148,6 +148,10 @@ _SCRATCH: dict[str, torch.Tensor] = {}
 # Prefill rows through the kernel's second pass (R), not its logits: 2,048 rows at 32k, 1,465 against 2,048 ms; at
 # 8k the same within noise (README.md, "On the CPU"). False only for the benchmark's comparison.
 PREFILL_TWO_PASS = True
+# ... except a run of at most this many keys, whose rows' logits are few: one pass with logits / two passes, caches
+# evicted, 0.96 for 512 rows at 512 keys, 0.89 for 1,024 rows at 2k, 0.94 and 1.00 for 2,048 rows at 4k and 8k
+# (benchmarks/results/experiments/shared_decode_2026-12-07.md).
+ONE_PASS_MAX_KEYS = 4096
 
 
 def _scratch(numel: int) -> torch.Tensor:
@@ -175,8 +179,9 @@ def run_cpu_kernels(q, pages, tiled, select, block_table, plan: BatchPlan, out, 
 
     A chunk's rows are scored against `num_keys` keys (a host bound from the plan: the longest decode, or the
     last row of the run's chunk). Decode rows: the tiled oracle writes their output, logits `[n, H, num_keys]` and
-    lse `[n, H]` (one block spanning every key, no block top-k), and `token_select` turns those into S_t. Prefill
-    rows: its two-pass form writes the output and R `[n, G, num_keys]`, and `token_select_probs` selects from R.
+    lse `[n, H]` (one block spanning every key, no block top-k), and `token_select` turns those into S_t; so do the
+    prefill rows of a run of at most `ONE_PASS_MAX_KEYS` keys. Longer prefill runs: its two-pass form writes the
+    output and R `[n, G, num_keys]`, and `token_select_probs` selects from R.
     """
     heads, groups = q.shape[1], indices.shape[1]
     for rows, reqs, pos, num_keys, two_pass in _row_chunks(plan, heads, groups, q.device):
@@ -203,13 +208,14 @@ def run_cpu_kernels(q, pages, tiled, select, block_table, plan: BatchPlan, out, 
 def _row_chunks(plan: BatchPlan, heads: int, groups: int, device):
     """(rows, their requests, their positions, keys to score, two passes?) for chunks whose scratch fits
     `LOGIT_BUDGET`: the decode rows (every head's logits, against the longest decode), then each prefill run's rows
-    (R of every group with `PREFILL_TWO_PASS`, against the chunk's last row)."""
+    (R of every group in two passes past `ONE_PASS_MAX_KEYS` keys, against the chunk's last row)."""
     num_keys = max(plan.max_decode_len, 1)
     for s, e in chunks(plan.num_decodes, LOGIT_BUDGET // (heads * num_keys)):
         yield plan.decode_rows[s:e], plan.decode_reqs[s:e], plan.decode_lens[s:e] - 1, num_keys, False
-    per_row = groups if PREFILL_TWO_PASS else heads
     for run in plan.prefills:
+        two_pass = PREFILL_TWO_PASS and run.seq_len > ONE_PASS_MAX_KEYS
+        per_row = groups if two_pass else heads
         for s, e in chunks(run.end - run.start, LOGIT_BUDGET // (per_row * run.seq_len)):
             a, b = run.start + s, run.start + e
             yield (torch.arange(a, b, device=device), torch.full((e - s,), run.req, device=device),
-                   plan.row_pos[a:b], run.first_pos + e, PREFILL_TWO_PASS)
+                   plan.row_pos[a:b], run.first_pos + e, two_pass)

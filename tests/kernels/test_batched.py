@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import csrc_triton.paged_batch as paged_batch
+import csrc_triton.token_oracle.batched as token_oracle_batched
 from csrc_triton import cpu_ext
 from csrc_triton.block_sparse import block_sparse_attention_naive
 from csrc_triton.block_sparse.batched import block_sparse_attention_batched
@@ -105,6 +106,21 @@ def test_token_oracle(case, dtype, reduce, decode_path):
     got = tor.run(token_oracle_attention_batched, batch, q, case, reduce, out=out)
     assert got[0] is out
     tor.check_against_naive(case, dtype, reduce, got, ref, batch, q)
+
+
+@pytest.mark.parametrize("case", tor.CASES + [tor.LONG], ids=str)
+@pytest.mark.parametrize("reduce", ["max", "sum"])
+@pytest.mark.parametrize("one_pass_max_keys", [0, 1 << 30], ids=["two-passes", "one-pass"])
+def test_token_oracle_prefill_passes(case, reduce, one_pass_max_keys, monkeypatch):
+    """Prefill rows through the tiled kernel's second pass (R) or through its logits, whatever the run's length
+    (as served, `ONE_PASS_MAX_KEYS` picks one by it): the same outputs and selections as the naive twin."""
+    for name in ("oracle_tiled", "token_select"):
+        assert cpu_ext.load(name) is not None, f"the C++ CPU kernel {name} must build here (see csrc_triton/cpu_ext.py)"
+    monkeypatch.setattr(token_oracle_batched, "ONE_PASS_MAX_KEYS", one_pass_max_keys)
+    batch, q = tor.make_inputs(case, torch.float32, seed=13)
+    ref = tor.run(token_oracle_attention_naive, batch, q, case, reduce)
+    got = tor.run(token_oracle_attention_batched, batch, q, case, reduce, out=nan_like(q))
+    tor.check_against_naive(case, torch.float32, reduce, got, ref, batch, q)
 
 
 @pytest.mark.parametrize("reduce", ["max", "sum"])
