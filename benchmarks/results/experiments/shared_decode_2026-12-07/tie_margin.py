@@ -24,7 +24,7 @@ p = random_prompts([150, 90, 120, 40, 200, 3], cfg.vocab_size, seed=1920070014)[
 orig = ops.token_topk
 gaps = []
 def rec(q, k, scale, topk_tokens, recent_window, reduce="max", forced_window=True, positions=None):
-    tq, tk = q.shape[1], k.shape[1]
+    tq = q.shape[1]
     pr = ops.sink_softmax(ops.attention_logits(q, k, scale, positions), None)
     r = ops.reduce_heads(pr, k.shape[2], reduce)[0]  # [G, Tq, Tk]
     for row in range(tq):
@@ -40,5 +40,6 @@ m2.ops.token_topk = rec
 with torch.no_grad():
     ref(torch.tensor([p]), use_cache=False)
 gaps.sort()
-print("topk", cfg.sparse_topk_tokens, "window", cfg.recent_window, "smallest relative gaps (gap, row):", [(f"{g:.2e}", t) for g, t in gaps[:6]])
+print("topk", cfg.sparse_topk_tokens, "window", cfg.recent_window, "smallest relative gaps (gap, row):",
+      [(f"{g:.2e}", t) for g, t in gaps[:6]])
 print("row 139 gaps:", [f"{g:.2e}" for g, t in gaps if t == 139])
