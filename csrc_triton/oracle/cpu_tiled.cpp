@@ -139,16 +139,25 @@ inline void tile_keys(const Problem& pb, const Task& tk, int64_t k0, int64_t cou
   }
 }
 
-// Scores s [c1 - c0, OKEYS] of query vectors [c0, c1) against a tile of keys starting at k0 (kp, or kt transposed
-// where not `direct`); false, scoring nothing, when every key of the tile is past every one of those rows.
+// Scores of query vectors [c0, c1) against a tile of keys starting at k0 (kp, or kt transposed where not
+// `direct`), only over the chunk's band of the tile: from its rows' first key (`low`, a window's first position;
+// none: 0) to their last position (`lim`), in whole 16-key vectors, written to s [c1 - c0, OKEYS] at columns
+// [j0, j1) (the others untouched; j1 = the band's end, not rounded). False, scoring nothing, when every key of the
+// tile is past or before every one of those rows. A 32-row window tile walks 159 keys for rows that attend 128,
+// its chunks' bands about 144.
 template <int DIM>
-inline bool score_chunk(const float* qs, const float* lim, int64_t c0, int64_t c1, int64_t k0, bool direct,
-                        const float* const* kp, int64_t count, const float* kt, float* s) {
-  if (*std::max_element(lim + c0, lim + c1) < static_cast<float>(k0)) return false;
+inline bool score_chunk(const float* qs, const float* lim, const float* low, int64_t c0, int64_t c1, int64_t k0,
+                        bool direct, const float* const* kp, int64_t count, const float* kt, float* s, int64_t& j0,
+                        int64_t& j1) {
+  const int64_t last = static_cast<int64_t>(*std::max_element(lim + c0, lim + c1)) - k0;
+  const int64_t first = low == nullptr ? -k0 : static_cast<int64_t>(*std::min_element(low + c0, low + c1)) - k0;
+  if (last < 0 || first >= count) return false;
+  j0 = std::max<int64_t>(first, 0) / 16 * 16;
+  j1 = std::min(count, last + 1);
   if (direct) {
-    score_direct<DIM, OKEYS>(qs + c0 * DIM, c1 - c0, kp, count, s);
+    score_direct<DIM, OKEYS>(qs + c0 * DIM, c1 - c0, kp + j0, j1 - j0, s + j0);
   } else {
-    score_tiled<DIM, OKEYS>(qs + c0 * DIM, c1 - c0, kt, s);
+    score_tiled_range<DIM, OKEYS>(qs + c0 * DIM, c1 - c0, kt, s, j0, std::min<int64_t>(OKEYS, (j1 + 15) / 16 * 16));
   }
   return true;
 }
@@ -211,7 +220,8 @@ void reduce_pass(const Problem& pb, const Task& tk, int64_t nq, const float* qs,
     if (!direct) transpose_keys<DIM, OKEYS>(kp, count, kt);
     for (int64_t c0 = 0; c0 < nq; c0 += QCHUNK) {
       const int64_t c1 = std::min(nq, c0 + QCHUNK);
-      if (!score_chunk<DIM>(qs, lim, c0, c1, k0, direct, kp, count, kt, s)) continue;
+      int64_t j0, j1;  // no window: the band runs from the tile's first key to the chunk's last position
+      if (!score_chunk<DIM>(qs, lim, nullptr, c0, c1, k0, direct, kp, count, kt, s, j0, j1)) continue;
       for (int64_t i = c0; i < c1; ++i) {
         const int64_t visible = std::min<int64_t>(count, static_cast<int64_t>(lim[i]) - k0 + 1);
         if (visible <= 0) continue;
@@ -302,18 +312,8 @@ void run_task(const Problem& pb, const Task& tk, Partials& parts, std::vector<fl
     if (!direct) transpose_keys<DIM, OKEYS>(kp, count, kt);
     for (int64_t c0 = 0; c0 < nq; c0 += QCHUNK) {
       const int64_t c1 = std::min(nq, c0 + QCHUNK);
-      // The chunk's band of the tile: from its rows' first window key (0 without a window) to their last
-      // position, in whole 16-key vectors; scored, weighed and summed only there (a 32-row window tile walks
-      // 159 keys for rows that attend 128, its chunks' bands about 144).
-      const int64_t last = static_cast<int64_t>(*std::max_element(lim + c0, lim + c1)) - k0;
-      const int64_t first = static_cast<int64_t>(*std::min_element(low + c0, low + c1)) - k0;
-      if (last < 0 || first >= count) continue;  // every key of the tile is past or before every row
-      const int64_t j0 = std::max<int64_t>(first, 0) / 16 * 16, j1 = std::min(count, last + 1);
-      if (direct) {
-        score_direct<DIM, OKEYS>(qs + c0 * DIM, c1 - c0, kp + j0, j1 - j0, s + j0);
-      } else {
-        score_tiled_range<DIM, OKEYS>(qs + c0 * DIM, c1 - c0, kt, s, j0, std::min<int64_t>(OKEYS, (j1 + 15) / 16 * 16));
-      }
+      int64_t j0, j1;  // the chunk's band of the tile: scored, weighed and summed only there
+      if (!score_chunk<DIM>(qs, lim, low, c0, c1, k0, direct, kp, count, kt, s, j0, j1)) continue;
       int64_t na = 0;
       for (int64_t i = c0; i < c1; ++i) {
         const int64_t visible = std::min<int64_t>(count, static_cast<int64_t>(lim[i]) - k0 + 1);
