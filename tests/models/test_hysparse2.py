@@ -33,6 +33,40 @@ LENGTHS = [1, 15, 16, 17, 31, 32, 33, 48, 100, 300]
 MAX_TOKENS = 8
 
 
+# A prompt row whose k-th and (k+1)-th best candidates by R lie closer than this (relative) is a near tie: float32
+# rounding in the engine may pick the other token, and that row's logits then legitimately differ from the reference.
+NEAR_TIE = 1e-4
+
+
+def selection_margins(reference, prompt) -> torch.Tensor:
+    """`[T]` float64: per prompt row, the smallest relative gap between the k-th and (k+1)-th largest R among the
+    candidates outside the window, over every cross full layer and KV group of the reference's forward (inf where
+    a row has no more than k candidates). Recorded by wrapping `ops.token_topk`, which the reference calls."""
+    from unittest import mock
+
+    from vllm_hysparse.reference import ops
+
+    margins = torch.full((len(prompt),), float("inf"), dtype=torch.float64)
+    original = ops.token_topk
+
+    def recording(q, k, scale, topk_tokens, recent_window, reduce="max", forced_window=True, positions=None):
+        assert forced_window, "the tiny preset forces the window"
+        tq, tk = q.shape[1], k.shape[1]
+        r = ops.reduce_heads(ops.sink_softmax(ops.attention_logits(q, k, scale, positions), None), k.shape[2], reduce)
+        t = ops.query_positions(tq, tk, None, positions)
+        outside = torch.arange(tk)[None, :] <= t[:, None] - recent_window  # causal and older than the window
+        s = torch.sort(r.double().masked_fill(~outside, -1.0), dim=-1, descending=True).values
+        s = torch.nn.functional.pad(s, (0, max(0, topk_tokens + 1 - tk)), value=-1.0)  # short prompts
+        kth, next_ = s[..., topk_tokens - 1], s[..., topk_tokens]  # [B, G, Tq]
+        gap = torch.where(next_ >= 0, (kth - next_) / kth, torch.inf).amin(dim=(0, 1))
+        margins[t] = torch.minimum(margins[t], gap)
+        return original(q, k, scale, topk_tokens, recent_window, reduce, forced_window, positions)
+
+    with mock.patch.object(ops, "token_topk", recording), torch.no_grad():
+        reference(torch.tensor([prompt]), use_cache=False)
+    return margins
+
+
 def _worker_pid(worker) -> int:
     import os
 
@@ -125,21 +159,26 @@ class TestEarlyExitEngine:
         before = _queries(llm)
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
         rows = (_queries(llm) - before) / (len(cfg.cross_full_layers) * cfg.num_key_value_heads)
-        checked = 0
+        checked = ties = 0
         for prompt, k, out in zip(batch, asks, outs, strict=True):
             if k is None:
                 assert out.prompt_logprobs is None
                 continue
             with torch.no_grad():
                 want = torch.log_softmax(reference(torch.tensor([prompt]), use_cache=False).logits[0].double(), -1)
+            tied = selection_margins(reference, prompt) < NEAR_TIE  # row pos - 1 predicts token pos
             assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
             for pos in range(1, len(prompt)):
                 got = out.prompt_logprobs[pos]
+                if tied[pos - 1]:
+                    ties += 1
+                    continue
                 assert abs(got[prompt[pos]].logprob - float(want[pos - 1, prompt[pos]])) < 2e-3, (pos, k)
                 top = torch.topk(want[pos - 1], k).indices.tolist() if k else []
                 assert set(top) <= set(got), (pos, top, sorted(got))  # the k most likely, beside the actual token
                 checked += 1
-        assert checked == sum(n - 1 for n, k in zip(lengths, asks) if k is not None)
+        print(f"prompt logprobs: {checked} positions match the reference, {ties} near ties in the selection skipped")
+        assert checked + ties == sum(n - 1 for n, k in zip(lengths, asks) if k is not None) and ties <= 10
         expected = reference_greedy(reference, batch, 4)
         got = [Completion(list(o.outputs[0].token_ids), [{t: lp.logprob for t, lp in step.items()}
                                                           for step in o.outputs[0].logprobs]) for o in outs]
