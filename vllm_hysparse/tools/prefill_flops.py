@@ -24,8 +24,10 @@ Counting rules (see benchmarks/README.md, "Prefill FLOPs"):
 - `path="cpu"` counts what our default CPU path executes (the C++ kernels of `csrc_triton/`): the same as
   the model, except that the token oracle of HySparse2's cross full layers scores every visible key of a
   prefill row a second time, once the row's softmax statistics are final (the reduced probabilities R,
-  `reduce_pass` in `csrc_triton/oracle/cpu_tiled.cpp`); its decode rows, and the one row of each prompt
-  that early exit leaves, take the scores from their single pass. HySparse's oracle keeps its block
+  `reduce_pass` in `csrc_triton/oracle/cpu_tiled.cpp`), in each prefill chunk whose last row sees more than
+  `ONE_PASS_MAX_KEYS` keys; the rows of shorter chunks, its decode rows, and the one row of each prompt that
+  early exit leaves take the scores from their single pass. The prompt is prefilled in chunks of `chunk`
+  tokens (vLLM's default `max_num_batched_tokens` for `vllm serve` on CPU is 2,048). HySparse's oracle keeps its block
   scores inside its single pass and its sparse layers read only their selected keys, as the model
   counts. Work the kernels discard (keys past a row's position inside a key tile) is not counted, nor
   the PyTorch fallback's (`VLLM_HYSPARSE_CPU_EXT=0`).
@@ -35,6 +37,11 @@ import argparse
 from dataclasses import dataclass
 
 F, S, W = "full_attention", "sparse_attention", "sliding_attention"
+
+# `csrc_triton/token_oracle/batched.py` scores a prefill chunk in one pass when its last row sees at most this many
+# keys (tests/tools/test_prefill_flops.py holds the two equal; this offline tool does not import the kernels).
+ONE_PASS_MAX_KEYS = 4096
+SERVE_CHUNK = 2048  # vLLM 0.32's default max_num_batched_tokens for `vllm serve` on CPU (engine/arg_utils.py)
 
 
 @dataclass(frozen=True)
@@ -97,6 +104,13 @@ def causal_keys(n: int) -> int:
     return n * (n + 1) // 2
 
 
+def rescored_keys(n: int, chunk: int) -> int:
+    """Keys the token oracle scores a second time for n prefill rows run in chunks of `chunk`: every causal key of
+    the rows of a chunk whose last row sees more than ONE_PASS_MAX_KEYS keys."""
+    return sum(causal_keys(e) - causal_keys(s) for s in range(0, n, chunk)
+               if (e := min(n, s + chunk)) > ONE_PASS_MAX_KEYS)
+
+
 # ---------------------------------------------------------------- FLOPs
 
 def _qkv_o(lay: Layout) -> int:
@@ -110,15 +124,18 @@ def _q_o(lay: Layout) -> int:
     return 2 * lay.hidden * lay.heads * lay.qk_dim + 2 * lay.heads * lay.v_dim * lay.hidden
 
 
-def prefill_flops(lay: Layout, n: int, *, early_exit: bool = True, path: str = "model") -> dict[str, float]:
+def prefill_flops(lay: Layout, n: int, *, early_exit: bool = True, path: str = "model",
+                  chunk: int = SERVE_CHUNK) -> dict[str, float]:
     """FLOPs to prefill one prompt of `n` tokens, by part (projections, mlp, attention, lm_head, total).
 
     `early_exit` only matters for HySparse2. `path="model"` counts the architecture, `path="cpu"` what our
     default CPU path executes (module docstring: the model's count plus the token oracle's second scoring of
-    prefill rows).
+    the prefill rows of chunks past ONE_PASS_MAX_KEYS keys, the prompt prefilled `chunk` tokens a step).
     """
     if path not in ("model", "cpu"):
         raise ValueError(f"path: must be 'model' or 'cpu' (got {path!r})")
+    if chunk < 1:
+        raise ValueError(f"chunk: must be a positive number of tokens (got {chunk})")
     cpu = path == "cpu"
     d = lay.hidden
     per_key = 2 * lay.heads * (lay.qk_dim + lay.v_dim)  # scores + values, one query, one key
@@ -156,7 +173,7 @@ def prefill_flops(lay: Layout, n: int, *, early_exit: bool = True, path: str = "
                 keys_full, keys_sparse, rescored = n, min(n, budget), 0
             else:
                 keys_full, keys_sparse = causal_keys(n), capped_keys(n, budget)
-                rescored = keys_full if cpu else 0  # the token oracle's second pass over each prefill row's keys
+                rescored = rescored_keys(n, chunk) if cpu else 0  # the token oracle's second pass, long chunks
             attn += (keys_full * per_key + rescored * score_only) if kind == F else keys_sparse * per_key
     else:
         raise ValueError(f"kind: must be 'dense', 'hysparse' or 'hysparse2' (got {lay.kind!r})")
