@@ -668,8 +668,8 @@ def markdown_report(result: dict) -> str:
               "are not counted. Formula and code: `vllm_hysparse/tools/prefill_flops.py`, `benchmarks/README.md`.",
               "- CPU-path FLOPs: what our C++ CPU kernels execute, the model's count plus the token oracle's "
               "second scoring of every visible key of a HySparse2 cross full layer's prefill rows (early exit "
-              "off, chunks of 2,048 whose last row sees more than 4,096 keys; `prefill_flops.py`); keys a kernel masks inside a key tile are not counted, nor the top-k "
-              "selections, whose time no FLOPs count shows.",
+              "off, chunks of 2,048 whose last row sees more than 4,096 keys; `prefill_flops.py`); keys a kernel "
+              "masks inside a key tile are not counted, nor the top-k selections, whose time no FLOPs count shows.",
               "- The expected ratio is `dense bytes / full-length-cache bytes` less the sliding-window share: each "
               "window cache holds at most `swa_window` tokens per sequence, which per token is "
               "`swa_window / context` of a full-length cache.",
