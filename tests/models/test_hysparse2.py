@@ -38,10 +38,11 @@ MAX_TOKENS = 8
 NEAR_TIE = 1e-4
 
 
-def selection_margins(reference, prompt) -> torch.Tensor:
-    """`[T]` float64: per prompt row, the smallest relative gap between the k-th and (k+1)-th largest R among the
-    candidates outside the window, over every cross full layer and KV group of the reference's forward (inf where
-    a row has no more than k candidates). Recorded by wrapping `ops.token_topk`, which the reference calls."""
+def reference_with_margins(reference, prompt) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward of the reference over `prompt`: its log-probabilities `[T, V]` float64 and, per prompt row, the
+    smallest relative gap `[T]` float64 between the k-th and (k+1)-th largest R among the candidates outside the
+    window, over every cross full layer and KV group (inf where a row has no more than k candidates). The gaps are
+    recorded by wrapping `ops.token_topk`, which the reference calls."""
     from unittest import mock
 
     from vllm_hysparse.reference import ops
@@ -63,8 +64,8 @@ def selection_margins(reference, prompt) -> torch.Tensor:
         return original(q, k, scale, topk_tokens, recent_window, reduce, forced_window, positions)
 
     with mock.patch.object(ops, "token_topk", recording), torch.no_grad():
-        reference(torch.tensor([prompt]), use_cache=False)
-    return margins
+        logits = reference(torch.tensor([prompt]), use_cache=False).logits[0]
+    return torch.log_softmax(logits.double(), -1), margins
 
 
 def _worker_pid(worker) -> int:
@@ -164,9 +165,8 @@ class TestEarlyExitEngine:
             if k is None:
                 assert out.prompt_logprobs is None
                 continue
-            with torch.no_grad():
-                want = torch.log_softmax(reference(torch.tensor([prompt]), use_cache=False).logits[0].double(), -1)
-            tied = selection_margins(reference, prompt) < NEAR_TIE  # row pos - 1 predicts token pos
+            want, margins = reference_with_margins(reference, prompt)
+            tied = margins < NEAR_TIE  # row pos - 1 predicts token pos
             assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
             for pos in range(1, len(prompt)):
                 got = out.prompt_logprobs[pos]
